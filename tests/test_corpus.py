@@ -149,7 +149,10 @@ def test_splits_are_disjoint():
 
 def test_deepmath_records():
     for rec in DEEPMATH:
-        assert set(rec) == {"question", "final_answer", "difficulty"}
+        assert set(rec) == {"question", "final_answer", "difficulty", "r1_solution_1"}
+        steps = rec["r1_solution_1"].split("\n")
+        assert steps[-1] == f"\\boxed{{{rec['final_answer']}}}"
+        assert len(steps) - 1 == len(NUMERAL.findall(rec["question"])) - 1  # one annotated step per line
         assert isinstance(rec["final_answer"], str) and Fraction(rec["final_answer"]) >= 0
         assert isinstance(rec["difficulty"], float) and 1.0 <= rec["difficulty"] <= 10.0
         numerals = NUMERAL.findall(rec["question"])

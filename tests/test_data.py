@@ -235,7 +235,7 @@ def test_deepmath_from_fake_modelscope(tmp_path, no_network, monkeypatch, capsys
     rows = data.load_deepmath(source="modelscope", sample_size=0, seed=3, num_shards=2,
                               local_dir=tmp_path, downloader=fake)
     assert len(fake.calls) == 2 and len(rows) == 8
-    assert all(set(r) == {"question", "final_answer", "difficulty"} for r in rows)
+    assert all(set(r) == {"question", "final_answer", "difficulty", "r1_solution_1"} for r in rows)
     assert {r["question"] for r in rows} == {f"shard {s} problem {i}" for s in (0, 1) for i in range(4)}
     again = data.load_deepmath(source="auto", sample_size=5, seed=3, num_shards=2, local_dir=tmp_path)
     assert len(fake.calls) == 2 and len(again) == 5  # auto found the shards; nothing downloaded

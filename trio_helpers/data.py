@@ -24,7 +24,7 @@ GSM8K_SOURCES = ("auto", "hf", "modelscope", "local", "offline")
 DEEPMATH_SOURCES = ("auto", "modelscope", "local", "offline")
 DEEPMATH_DATASET = "zwhe99/DeepMath-103K"
 DEEPMATH_NUM_SHARDS = 10
-DEEPMATH_COLUMNS = ("question", "final_answer", "difficulty")
+DEEPMATH_COLUMNS = ("question", "final_answer", "difficulty", "r1_solution_1")
 PROBE_TIMEOUT_S = 2.0
 
 _ANNOTATION_RE = re.compile(r"<<([^<>=]*)=([^<>]*)>>")

@@ -801,8 +801,10 @@ def generate_deepmath(n: int, seed: int, exclude: Iterable[str] = ()) -> list[di
         exclude: GSM8K questions whose problems must not reappear (matched on everything before
             the final question sentence).
     Returns:
-        Records ``{"question": str, "final_answer": str, "difficulty": float}``; difficulty follows
-        DeepMath's 1-10 scale loosely: 1.5 per solution step minus 0.5, plus 0.5 for a decimal answer.
+        Records ``{"question": str, "final_answer": str, "difficulty": float, "r1_solution_1": str}``;
+        difficulty follows DeepMath's 1-10 scale loosely: 1.5 per solution step minus 0.5, plus 0.5 for a
+        decimal answer. ``r1_solution_1`` (named after DeepMath-103K's field) is a worked solution, one annotated
+        step per line, ending in ``\\boxed{N}``: the text the offline models are fitted on.
     Raises:
         ValueError: if n is negative or not an int. TypeError: if seed is not an int.
 
@@ -814,8 +816,9 @@ def generate_deepmath(n: int, seed: int, exclude: Iterable[str] = ()) -> list[di
         ask = r.choice(_DEEPMATH_FRAMES).format(goal=problem.goal)
         final = fmt(problem.chain.value)
         difficulty = 1.5 * len(problem.chain.steps) - 0.5 + (0.5 if "." in final else 0.0)
+        solution = "\n".join(problem.chain.steps) + f"\n\\boxed{{{final}}}"
         records.append({"question": f"{problem.context_text} {ask}", "final_answer": final,
-                        "difficulty": difficulty})
+                        "difficulty": difficulty, "r1_solution_1": solution})
     return records
 
 

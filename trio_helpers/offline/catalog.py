@@ -1,0 +1,75 @@
+"""The offline model catalog: which base models exist offline and where their frozen weights come from.
+
+- ``Qwen/Qwen3.5-4B`` (alias ``offline/student``): the student/policy model of the book's RL chapters.
+- ``Qwen/Qwen3.6-27B`` (alias ``offline/teacher``): a larger, sharper model used as the distillation teacher.
+- ``offline/tiny``: random weights, no fitting; instant, for unit tests of the API contract.
+
+The names of real models are reused so that a snippet runs unchanged offline and on the service; the offline
+models are of course tiny stand-ins (see ``book/offline_backend.md``). Fitted base weights are computed on first
+use by :mod:`trio_helpers.offline.fit` and cached on disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from trio_helpers.offline.model import BaseWeights
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    role: str  # "student", "teacher" or "tiny"
+    dim: int
+    table_size: int
+    lora_alpha: float
+
+
+STUDENT = ModelSpec("Qwen/Qwen3.5-4B", "student", dim=32, table_size=1 << 17, lora_alpha=32.0 * 75)
+TEACHER = ModelSpec("Qwen/Qwen3.6-27B", "teacher", dim=64, table_size=1 << 17, lora_alpha=32.0 * 75)
+TINY = ModelSpec("offline/tiny", "tiny", dim=16, table_size=1 << 12, lora_alpha=32.0)
+
+_SPECS = {
+    STUDENT.name: STUDENT,
+    "offline/student": STUDENT,
+    TEACHER.name: TEACHER,
+    "offline/teacher": TEACHER,
+    TINY.name: TINY,
+}
+
+_LOADED: dict[str, BaseWeights] = {}
+_LOCK = threading.Lock()
+
+
+def model_names() -> list[str]:
+    """All names the offline backend accepts as ``base_model``."""
+    return list(_SPECS)
+
+
+def spec(name: str) -> ModelSpec:
+    return _SPECS[name]
+
+
+def lora_alpha(name: str) -> float:
+    return _SPECS[name].lora_alpha
+
+
+def base_weights(name: str, home: Path | None = None) -> BaseWeights:
+    """The frozen base weights of ``name`` (fitted and cached on first use; the same object afterwards).
+
+    ``home`` is accepted for symmetry with checkpoints but unused: fitted weights live in the model cache
+    (:func:`trio_helpers.offline.fit.cache_dir`), keyed by a hash of what determines them.
+    """
+    s = _SPECS[name]
+    key = s.name
+    with _LOCK:
+        if key not in _LOADED:
+            if s.role == "tiny":
+                _LOADED[key] = BaseWeights.random(s.dim, s.table_size, seed=0, name=s.name)
+            else:
+                from trio_helpers.offline import fit
+
+                _LOADED[key] = fit.load_or_fit(s)
+        return _LOADED[key]

@@ -1,0 +1,230 @@
+"""Fitting the offline base models ("pretraining" in miniature), once, then caching them on disk.
+
+The student (``Qwen/Qwen3.5-4B``) and the teacher (``Qwen/Qwen3.6-27B``) are :class:`~trio_helpers.offline.model.TinyLM`
+base weights fitted by next-token cross-entropy on text built from the package's own corpus
+(:mod:`trio_helpers.offline.corpus`): each problem's prompt exactly as the book renders it, followed by its worked
+solution. Like real pretraining text, the solutions end in several final-answer styles (``#### N``,
+``The answer is N.``, ``\\boxed{N}``), drawn independently for each of several copies of every problem:
+
+============  ==========  ===========  =========  =====================================
+model         ``#### N``  sentence     boxed      size
+============  ==========  ===========  =========  =====================================
+student       45%         35%          20%        d = 32, 2 epochs
+teacher       10%         10%          80%        d = 64, 3 epochs
+============  ==========  ===========  =========  =====================================
+
+So the student writes the format the grader demands only some of the time (its groups are mixed), and the teacher
+prefers it and is sharper (lower loss per token), which gives on-policy distillation a positive reverse KL to shrink.
+The models see the solutions of both splits while fitting, as pretrained LLMs have seen benchmark-like text; the
+book says so where it reports accuracies.
+
+Fitting is deterministic (fixed seeds, fixed data order) and uses sparse-row Adam on the embedding table. Weights
+are cached under ``$TRIO_OFFLINE_CACHE`` (default ``~/.cache/trio_helpers/models``) in a file named by a hash of
+everything that determines them (the fitting code version, the model spec and the corpus), so a change to any of
+them refits instead of loading stale weights.
+
+``python -m trio_helpers.offline.fit`` fits (or loads) both models and prints how long each took.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trio_helpers.offline.model import NUM_FEATURES, BaseWeights, log_softmax, sequence_features, table_rows
+from trio_helpers.offline.tokenizer import IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
+
+FIT_VERSION = "fit-v1"
+STYLE_MIX = {
+    "student": {"hash": 0.35, "sentence": 0.25, "boxed": 0.40},
+    "teacher": {"hash": 0.10, "sentence": 0.10, "boxed": 0.80},
+}
+EPOCHS = {"student": 4, "teacher": 4}
+COPIES = 4
+BATCH_TOKENS = 8192
+LEARNING_RATE = 0.05
+EMBED_LR_MULT = (2.0, 20.0)  # step multipliers for shared / per-question embedding rows (the latter are rare)
+
+
+def cache_dir() -> Path:
+    """Where fitted base weights are cached: ``$TRIO_OFFLINE_CACHE`` or ``~/.cache/trio_helpers/models``."""
+    return Path(os.environ.get("TRIO_OFFLINE_CACHE") or Path.home() / ".cache" / "trio_helpers" / "models")
+
+
+def _corpus_records() -> tuple[list[dict], list[dict]]:
+    from trio_helpers.data import load_deepmath, load_gsm8k
+
+    gsm = load_gsm8k("train", source="offline") + load_gsm8k("test", source="offline")
+    deep = load_deepmath(source="offline", sample_size=0)
+    return gsm, deep
+
+
+def _fingerprint(spec) -> str:
+    from trio_helpers.offline import corpus, model
+
+    h = hashlib.sha256()
+    h.update(FIT_VERSION.encode())
+    h.update(json.dumps([spec.name, spec.role, spec.dim, spec.table_size, STYLE_MIX[spec.role], EPOCHS[spec.role],
+                         COPIES, BATCH_TOKENS, LEARNING_RATE, EMBED_LR_MULT]).encode())
+    for module in (model, corpus):  # the feature code and the generator define the weights too
+        h.update(Path(module.__file__).read_bytes())
+    data_dir = Path(corpus.__file__).parent / "data"
+    for f in sorted(data_dir.glob("*.jsonl")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def fitting_examples(role: str, seed: int = 0) -> list[tuple[list[int], int, int]]:
+    """The fitting sequences of a model: ``(tokens, answer_start, loss_start)``; the loss covers
+    ``tokens[loss_start:]``.
+
+    Each GSM8K-style problem appears ``COPIES`` times, each copy ending in an independently drawn final-answer
+    style. The worked steps are identical in every copy, so only the first copy is fitted on the whole solution;
+    the other copies contribute their final-answer line (the part that differs). Each distillation prompt with a
+    worked solution appears once.
+    """
+    from trio_helpers.offline.corpus import render_solution
+    from trio_helpers.prompts import deepmath_messages, gsm8k_messages, render_prompt
+
+    tok = get_offline_tokenizer()
+    gsm, deep = _corpus_records()
+    styles = list(STYLE_MIX[role])
+    probs = np.array([STYLE_MIX[role][s] for s in styles])
+    rng = np.random.default_rng([seed, 1 if role == "student" else 2])
+    out: list[tuple[list[int], int, int]] = []
+    for rec in gsm:
+        prompt = tok.encode(render_prompt(tok, gsm8k_messages(rec["question"])), add_special_tokens=False)
+        for copy in range(COPIES):
+            style = styles[int(rng.choice(len(styles), p=probs))]
+            answer = tok.encode(render_solution(rec, style), add_special_tokens=False) + [IM_END_ID]
+            tokens = prompt + answer
+            last_line = len(tokens) - 2
+            while tokens[last_line] != 10:  # back to the newline before the final-answer line
+                last_line -= 1
+            out.append((tokens, len(prompt), len(prompt) if copy == 0 else last_line + 1))
+    for rec in deep:
+        if not rec.get("r1_solution_1"):
+            continue
+        prompt = tok.encode(render_prompt(tok, deepmath_messages(rec["question"])), add_special_tokens=False)
+        answer = tok.encode(rec["r1_solution_1"], add_special_tokens=False) + [IM_END_ID]
+        out.append((prompt + answer, len(prompt), len(prompt)))
+    return out
+
+
+_ROWS_MEMO: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _token_matrix(examples) -> tuple[np.ndarray, np.ndarray]:
+    """Feature keys and targets of every loss token. Identical sequences (the same problem in the same style, for
+    either model) are featurised once per process."""
+    keys, targets = [], []
+    for tokens, answer_start, loss_start in examples:
+        key = tuple(tokens)
+        k = _ROWS_MEMO.get(key)
+        if k is None:
+            k = sequence_features(tokens)[0][answer_start - 1 : len(tokens) - 1]
+            _ROWS_MEMO[key] = k
+        keys.append(k[loss_start - answer_start :])
+        targets.append(np.asarray(tokens[loss_start:], dtype=np.int64))
+    return np.concatenate(keys), np.concatenate(targets)
+
+
+def fit_base(spec, seed: int = 0, verbose: bool = True) -> BaseWeights:
+    """Fit ``spec``'s base weights by cross-entropy with sparse-row Adam (deterministic).
+
+    Computed in float32 for speed (the fitted weights are then used in float64, an exact conversion).
+    """
+    t0 = time.perf_counter()
+    keys, targets = _token_matrix(fitting_examples(spec.role, seed))
+    rows = table_rows(keys, spec.table_size)
+    n, d, f32 = len(targets), spec.dim, np.float32
+    rng = np.random.default_rng([seed, spec.dim])
+    E = rng.normal(0.0, 0.01, size=(spec.table_size, d)).astype(f32)
+    W = rng.normal(0.0, 1.0 / np.sqrt(d), size=(d, VOCAB_SIZE)).astype(f32)
+    b = np.zeros(VOCAB_SIZE, dtype=f32)
+    row_mult = np.where(np.arange(spec.table_size) >= spec.table_size // 2, EMBED_LR_MULT[1], EMBED_LR_MULT[0])
+    row_mult = row_mult.astype(f32)[:, None]
+    dense = {"W": W, "b": b}
+    m = {k: np.zeros_like(v) for k, v in dense.items()}
+    v = {k: np.zeros_like(v) for k, v in dense.items()}
+    mE, vE = np.zeros_like(E), np.zeros_like(E)
+    beta1, beta2, eps = 0.9, 0.99, 1e-8
+    step = 0
+    epochs = EPOCHS[spec.role]
+    total_steps = epochs * ((n + BATCH_TOKENS - 1) // BATCH_TOKENS)
+    lanes = np.arange(d)
+    for epoch in range(epochs):
+        order = rng.permutation(n)
+        loss_sum = 0.0
+        for s in range(0, n, BATCH_TOKENS):
+            idx = order[s : s + BATCH_TOKENS]
+            r, y = rows[idx], targets[idx]
+            h = E[r].sum(axis=1)
+            logp = log_softmax(h @ W + b)
+            picked = np.arange(len(y))
+            loss_sum += float(-logp[picked, y].sum())
+            G = np.exp(logp)
+            G[picked, y] -= 1.0
+            G /= len(y)
+            grads = {"W": h.T @ G, "b": G.sum(axis=0)}
+            dh = G @ W.T
+            # scatter-add dh into the touched embedding rows (bincount over row*d + lane is the fast way)
+            uniq, inv = np.unique(r.ravel(), return_inverse=True)
+            flat = (inv[:, None] * d + lanes).ravel()
+            gE = np.bincount(flat, weights=np.repeat(dh, NUM_FEATURES, axis=0).ravel(),
+                             minlength=len(uniq) * d).reshape(len(uniq), d).astype(f32)
+            step += 1
+            lr = LEARNING_RATE * 0.5 * (1 + np.cos(np.pi * step / total_steps))  # cosine decay
+            c1, c2 = 1 - beta1**step, 1 - beta2**step
+            for name, p in dense.items():
+                g = grads[name]
+                m[name] = beta1 * m[name] + (1 - beta1) * g
+                v[name] = beta2 * v[name] + (1 - beta2) * g * g
+                p -= lr * (m[name] / c1) / (np.sqrt(v[name] / c2) + eps)
+            mu = beta1 * mE[uniq] + (1 - beta1) * gE
+            vu = beta2 * vE[uniq] + (1 - beta2) * gE * gE
+            mE[uniq], vE[uniq] = mu, vu
+            E[uniq] -= (lr * row_mult[uniq]) * (mu / c1) / (np.sqrt(vu / c2) + eps)
+        if verbose:
+            print(f"  epoch {epoch + 1}/{epochs}: loss/token {loss_sum / n:.3f} ({time.perf_counter() - t0:.1f}s)",
+                  file=sys.stderr)
+    return BaseWeights(E=E.astype(np.float64), W=W.astype(np.float64), b=b.astype(np.float64), name=spec.name)
+
+
+def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
+    """Load ``spec``'s fitted weights from the cache, fitting and caching them first if needed."""
+    path = cache_dir() / f"{spec.role}-{_fingerprint(spec)}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
+    print(f"trio_helpers offline backend: fitting base model {spec.name!r} on the offline corpus "
+          "(first use only; cached afterwards)...", file=sys.stderr)
+    weights = fit_base(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, E=weights.E, W=weights.W, b=weights.b)
+    os.replace(tmp, path)
+    return weights
+
+
+def ensure_fitted() -> None:
+    """Fit (or load) every fitted model of the catalog, so later first uses are instant."""
+    from trio_helpers.offline import catalog
+
+    for spec in (catalog.STUDENT, catalog.TEACHER):
+        catalog.base_weights(spec.name, Path("."))
+
+
+if __name__ == "__main__":
+    from trio_helpers.offline import catalog
+
+    for spec in (catalog.STUDENT, catalog.TEACHER):
+        t = time.perf_counter()
+        load_or_fit(spec)
+        print(f"{spec.name}: ready in {time.perf_counter() - t:.1f}s")

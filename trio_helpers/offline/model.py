@@ -1,0 +1,472 @@
+"""A tiny autoregressive language model in numpy: the compute behind the offline backend.
+
+The model is a *hashed-feature log-bilinear* model over the byte-level vocabulary of
+:mod:`trio_helpers.offline.tokenizer`. To predict the token after a context it
+
+1. reads a handful of **context features** (the last 1, 2, 3, 4 and 6 tokens, the position in the line, the line
+   number, the word being written, the chat role, a hash of the user's question, a "copy the last calculator
+   result" feature and a "the final-answer line is due" flag — see :class:`Context`), each hashed to a row of an
+   embedding table ``E``;
+2. sums those rows into a hidden vector ``h`` (dimension ``d``);
+3. maps ``h`` to logits with a frozen output matrix plus a trainable **low-rank adapter**:
+   ``z = h @ W + b + (alpha / rank) * (h @ A) @ B``.
+
+``A`` and ``B`` are the LoRA adapter (rank = the ``rank`` a training client is created with). ``B`` starts at zero,
+so a fresh training client samples exactly like its base model. Training (``forward_backward`` + ``optim_step``)
+changes only ``A`` and ``B``; base weights are fitted once (see :mod:`trio_helpers.offline.fit`) and frozen.
+
+Every gradient here is exact (a finite-difference test checks each loss) and every computation is deterministic.
+Nothing in this module sees rewards, answers or the caller's intent: a loss only receives per-token advantages,
+weights and old logprobs, like the real trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trio_helpers.offline.tokenizer import IM_END_ID, IM_START_ID, NUM_BYTES, VOCAB_SIZE
+
+NL = 10
+_DIGITS = frozenset(range(48, 58))
+_ROLES = {b"system": 1, b"user": 2, b"assistant": 3}
+NUM_FEATURES = 13
+# Features 9 and 12 are keyed by the question (they let a model memorise solutions it saw while fitting); they live
+# in the upper half of the embedding table, the shared features in the lower half, so fitting can give the rarely
+# seen per-question rows larger steps.
+PER_QUESTION_SLOTS = (9, 12)
+_END = 1000  # "the copied number is complete"
+_NONE = 1001  # "nothing to copy"
+
+
+def _is_digit(tok: int) -> bool:
+    return 48 <= tok <= 57
+
+
+class Context:
+    """Incremental feature extractor: push tokens one at a time, read the features for the next prediction.
+
+    The same object serves sampling (one token at a time) and training (a whole sequence), so the logprobs the
+    sampler returns and the logprobs the trainer computes come from identical features.
+    """
+
+    __slots__ = (
+        "last", "role", "role_buf", "reading_role", "line_pos", "line_no", "word", "msg_buf",
+        "prompt_key", "n_numbers", "n_results", "in_calc", "calc_buf", "last_result", "run",
+    )
+
+    def __init__(self) -> None:
+        self.last: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the last six tokens, oldest first
+        self.role = 0
+        self.role_buf = b""
+        self.reading_role = False
+        self.line_pos = 0
+        self.line_no = 0
+        self.word = 0
+        self.msg_buf = bytearray()  # the current user message (to key per-question features)
+        self.prompt_key = 0
+        self.n_numbers = 0
+        self.n_results = 0
+        self.in_calc = False
+        self.calc_buf = bytearray()
+        self.last_result = b""
+        self.run = b""  # the number being written (digits and '.')
+
+    def copy(self) -> "Context":
+        c = Context.__new__(Context)
+        for name in Context.__slots__:
+            value = getattr(self, name)
+            setattr(c, name, bytearray(value) if isinstance(value, bytearray) else value)
+        return c
+
+    def push(self, tok: int) -> None:
+        """Consume one token."""
+        self.last = self.last[1:] + (tok,)
+        if tok == IM_START_ID:
+            self.reading_role, self.role_buf = True, b""
+            self.role = 0
+            self.line_pos = self.line_no = self.word = 0
+            return
+        if tok == IM_END_ID:
+            if self.role == 2:  # a user message just ended: it is the question the answer will be about
+                text = bytes(self.msg_buf)
+                self.prompt_key = _stable_hash(text)
+                self.n_numbers = _count_numbers(text)
+                self.n_results = 0
+                self.last_result = b""
+            self.role = 0
+            return
+        if tok >= NUM_BYTES:  # <think>, </think>, <|endoftext|>
+            self.word = hash((self.word, tok))
+            return
+        if self.reading_role:
+            if tok == NL:
+                self.reading_role = False
+                self.role = _ROLES.get(self.role_buf, 4)
+                if self.role == 2:
+                    self.msg_buf = bytearray()
+            else:
+                self.role_buf += bytes((tok,))
+            return
+        if self.role == 2:
+            self.msg_buf.append(tok)
+        # calculator annotations <<expr=result>>: remember the result
+        if self.role == 3:
+            if tok == 60 and self.last[-2] == 60:  # "<<"
+                self.in_calc, self.calc_buf = True, bytearray()
+            elif self.in_calc:
+                if tok == 62:  # ">"
+                    self.in_calc = False
+                    expr = bytes(self.calc_buf)
+                    if b"=" in expr:
+                        self.last_result = expr.rsplit(b"=", 1)[1]
+                        self.n_results += 1
+                else:
+                    self.calc_buf.append(tok)
+        if _is_digit(tok) or (tok == 46 and self.run):
+            self.run += bytes((tok,))
+        else:
+            self.run = b""
+        if tok == NL:
+            self.line_pos = 0
+            self.line_no += 1
+            self.word = 0
+        else:
+            self.line_pos += 1
+            self.word = 0 if tok == 32 else hash((self.word, tok))
+
+    def features(self) -> list[int]:
+        """The hashed feature keys (before reduction modulo the table size) for the next prediction."""
+        l6 = self.last
+        x1, x2, x3 = l6[5], l6[4], l6[3]
+        role = self.role
+        pos = self.line_pos if self.line_pos < 31 else 31
+        line = self.line_no if self.line_no < 15 else 15
+        in_answer = role == 3
+        # the copy feature: which character of the last calculator result comes next?
+        run, res = self.run, self.last_result
+        if res and res.startswith(run):
+            nxt = res[len(run)] if len(run) < len(res) else _END
+        else:
+            nxt = _NONE
+        final = int(in_answer and self.n_numbers > 0 and self.n_results >= self.n_numbers - 1)
+        pk = self.prompt_key if in_answer else 0
+        return [
+            0,
+            hash((1, role, x1)),
+            hash((2, role, x2, x1)),
+            hash((3, role, x3, x2, x1)),
+            hash((4, l6[2], x3, x2, x1)),
+            hash((5, l6[0], l6[1], l6[2], x3, x2, x1)),
+            hash((6, role, pos, x1 if pos < 2 else _is_digit(x1))),
+            hash((7, role, line, min(pos, 7))),
+            hash((8, role, self.word)),
+            hash((9, pk, line, x3, x2, x1)),
+            hash((10, nxt, x2, x1)),
+            hash((11, final, x2, x1, min(pos, 15))),
+            hash((12, pk, final, x3, x2, x1)),
+        ]
+
+
+def _stable_hash(data: bytes) -> int:
+    """A process-independent hash of bytes (Python's str/bytes hash is salted per process)."""
+    h = 1469598103934665603
+    for b in data:
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _count_numbers(text: bytes) -> int:
+    """How many numeric literals (digit runs, with inner ',' or '.') the text contains."""
+    count, inside = 0, False
+    for i, b in enumerate(text):
+        if 48 <= b <= 57:
+            if not inside:
+                count += 1
+                inside = True
+        elif b in (44, 46) and inside and i + 1 < len(text) and 48 <= text[i + 1] <= 57:
+            continue
+        else:
+            inside = False
+    return count
+
+
+@dataclass
+class BaseWeights:
+    """The frozen part of a model: embedding table ``E`` (H x d), output matrix ``W`` (d x V), bias ``b`` (V)."""
+
+    E: np.ndarray
+    W: np.ndarray
+    b: np.ndarray
+    name: str = "random"
+
+    @property
+    def dim(self) -> int:
+        return int(self.E.shape[1])
+
+    @property
+    def table_size(self) -> int:
+        return int(self.E.shape[0])
+
+    @staticmethod
+    def random(dim: int, table_size: int, seed: int, name: str = "random") -> "BaseWeights":
+        rng = np.random.default_rng(seed)
+        return BaseWeights(
+            E=rng.normal(0.0, 0.3, size=(table_size, dim)),
+            W=rng.normal(0.0, 1.0 / math.sqrt(dim), size=(dim, VOCAB_SIZE)),
+            b=np.zeros(VOCAB_SIZE),
+            name=name,
+        )
+
+
+@dataclass
+class Adapter:
+    """The trainable low-rank adapter: ``delta_logits = scale * (h @ A) @ B`` with ``scale = alpha / rank``."""
+
+    A: np.ndarray
+    B: np.ndarray
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[1])
+
+    @staticmethod
+    def fresh(dim: int, rank: int, seed: int, alpha: float) -> "Adapter":
+        rng = np.random.default_rng(seed)
+        return Adapter(
+            A=rng.normal(0.0, 1.0 / math.sqrt(dim), size=(dim, rank)),
+            B=np.zeros((rank, VOCAB_SIZE)),
+            scale=alpha / rank,
+        )
+
+    def copy(self) -> "Adapter":
+        return Adapter(A=self.A.copy(), B=self.B.copy(), scale=self.scale)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {"A": self.A, "B": self.B}
+
+
+@dataclass
+class FeatureCache:
+    """Caches the features and state of chat prefixes (everything up to the last assistant header), so a group of
+    completions of one prompt pays for the prompt once."""
+
+    max_items: int = 256
+    items: OrderedDict = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, key: tuple[int, ...]):
+        with self.lock:
+            hit = self.items.get(key)
+            if hit is not None:
+                self.items.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple[int, ...], value) -> None:
+        with self.lock:
+            self.items[key] = value
+            if len(self.items) > self.max_items:
+                self.items.popitem(last=False)
+
+
+_CACHE = FeatureCache()
+
+
+def _prefix_end(tokens: list[int]) -> int:
+    """Index just past the header line of the last chat message (0 when the tokens hold no chat header)."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == IM_START_ID:
+            for j in range(i + 1, len(tokens)):
+                if tokens[j] == NL:
+                    return j + 1
+            return 0
+    return 0
+
+
+def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
+    """Feature keys for every prediction position of ``tokens``.
+
+    Row ``i`` holds the features of the context ``tokens[: i + 1]`` (i.e. for predicting ``tokens[i + 1]``).
+
+    Returns:
+        ``(keys, context)``: an int64 array ``[len(tokens), NUM_FEATURES]`` of hashed keys and the context after
+        the last token (ready to continue sampling).
+    """
+    split = _prefix_end(tokens)
+    rows: list[list[int]] = []
+    ctx: Context | None = None
+    if split:
+        key = tuple(tokens[:split])
+        hit = _CACHE.get(key)
+        if hit is None:
+            ctx = Context()
+            prefix_rows = []
+            for tok in tokens[:split]:
+                ctx.push(tok)
+                prefix_rows.append(ctx.features())
+            _CACHE.put(key, (prefix_rows, ctx.copy()))
+            rows = list(prefix_rows)
+        else:
+            rows = list(hit[0])
+            ctx = hit[1].copy()
+    if ctx is None:
+        ctx = Context()
+    for tok in tokens[split:]:
+        ctx.push(tok)
+        rows.append(ctx.features())
+    return np.array(rows, dtype=np.int64).reshape(len(rows), NUM_FEATURES), ctx
+
+
+def table_rows(keys: np.ndarray, table_size: int) -> np.ndarray:
+    """Map hashed feature keys ``[..., NUM_FEATURES]`` to embedding-table rows (per-question slots: upper half)."""
+    half = table_size // 2
+    offsets = np.zeros(NUM_FEATURES, dtype=np.int64)
+    offsets[list(PER_QUESTION_SLOTS)] = half
+    return keys % half + offsets
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    m = z.max(axis=-1, keepdims=True)
+    s = z - m
+    return s - np.log(np.exp(s).sum(axis=-1, keepdims=True))
+
+
+class TinyLM:
+    """Base weights plus (optionally) an adapter; computes logits, logprobs and gradients."""
+
+    def __init__(self, base: BaseWeights, adapter: Adapter | None = None) -> None:
+        self.base = base
+        self.adapter = adapter
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        return table_rows(keys, self.base.table_size)
+
+    def hidden(self, keys: np.ndarray) -> np.ndarray:
+        return self.base.E[self.rows(keys)].sum(axis=-2)
+
+    def logits_from_hidden(self, h: np.ndarray) -> np.ndarray:
+        z = h @ self.base.W + self.base.b
+        if self.adapter is not None:
+            z = z + self.adapter.scale * ((h @ self.adapter.A) @ self.adapter.B)
+        return z
+
+    def logprobs_all(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(h, log_softmax(logits))`` for every row of ``keys``."""
+        h = self.hidden(keys)
+        return h, log_softmax(self.logits_from_hidden(h))
+
+    def adapter_grads(self, h: np.ndarray, logp: np.ndarray, targets: np.ndarray, coef: np.ndarray):
+        """Gradients of ``sum_i coef_i * (-logp_i[target_i])`` ... generalised: of ``L = sum_i c_i(lp_i)`` given
+        ``coef_i = dL/dlp_i``, with respect to the adapter's ``A`` and ``B``.
+
+        ``dlp_i / dz_i = onehot(target_i) - softmax(z_i)``, so ``dL/dz_i = coef_i * (onehot - p_i)``.
+        """
+        G = -np.exp(logp) * coef[:, None]
+        G[np.arange(len(targets)), targets] += coef
+        a = self.adapter
+        hA = h @ a.A
+        grad_B = a.scale * (hA.T @ G)
+        grad_A = a.scale * (h.T @ (G @ a.B.T))
+        return {"A": grad_A, "B": grad_B}, G
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+def _sampling_distribution(z: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Row-wise probabilities the sampler draws from: softmax(z / T), then top-k, then top-p, renormalised."""
+    logq = log_softmax(z / temperature)
+    q = np.exp(logq)
+    if 0 < top_k < q.shape[-1]:
+        kth = -np.partition(-q, top_k - 1, axis=-1)[:, top_k - 1 : top_k]
+        q = np.where(q >= kth, q, 0.0)
+    if top_p < 1.0:
+        order = np.argsort(-q, axis=-1, kind="stable")
+        sorted_q = np.take_along_axis(q, order, axis=-1)
+        before = np.cumsum(sorted_q, axis=-1) - sorted_q  # mass strictly above each token
+        keep_sorted = before < top_p * sorted_q.sum(axis=-1, keepdims=True)
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        q = np.where(keep, q, 0.0)
+    return q / q.sum(axis=-1, keepdims=True)
+
+
+def sample_completions(
+    model: TinyLM,
+    prompt: list[int],
+    num_samples: int,
+    max_tokens: int,
+    rng: np.random.Generator,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    stop_token_ids: frozenset[int] = frozenset(),
+    stop_strings: tuple[bytes, ...] = (),
+) -> list[Completion]:
+    """Sample ``num_samples`` continuations of ``prompt``.
+
+    Returned logprobs are those of the distribution each token was drawn from (temperature, top-k and top-p
+    applied); at temperature 1 with no truncation that is exactly the model's logprob, the same number
+    ``compute_logprobs`` and the trainer's ``forward`` give. With ``temperature == 0`` decoding is greedy and the
+    reported logprob is the model's own (temperature-1) logprob of the chosen token.
+
+    A sequence stops at a stop token (included in ``tokens``), when its bytes end with a stop string (included), or
+    after ``max_tokens`` tokens (``stop_reason == "length"``).
+    """
+    _, ctx0 = sequence_features(prompt)
+    ctxs = [ctx0.copy() for _ in range(num_samples)]
+    out = [Completion([], [], "length") for _ in range(num_samples)]
+    texts = [bytearray() for _ in range(num_samples)]
+    active = list(range(num_samples))
+    max_stop = max((len(s) for s in stop_strings), default=0)
+    for _step in range(max_tokens):
+        if not active:
+            break
+        keys = np.array([ctxs[i].features() for i in active], dtype=np.int64)
+        z = model.logits_from_hidden(model.hidden(keys))
+        logp = log_softmax(z)
+        if temperature == 0:
+            choice = z.argmax(axis=-1)
+            chosen_lp = logp[np.arange(len(active)), choice]
+        else:
+            q = _sampling_distribution(z, temperature, top_k, top_p) if (
+                temperature != 1.0 or top_k > 0 or top_p < 1.0) else np.exp(logp)
+            u = rng.random(len(active))
+            cdf = np.cumsum(q, axis=-1)
+            choice = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), q.shape[-1] - 1)
+            # never pick a zero-probability token because of rounding in the cumulative sum
+            for j, c in enumerate(choice):
+                while q[j, c] == 0.0:
+                    c -= 1
+                choice[j] = c
+            if q is not None and (temperature != 1.0 or top_k > 0 or top_p < 1.0):
+                chosen_lp = np.log(q[np.arange(len(active)), choice])
+            else:
+                chosen_lp = logp[np.arange(len(active)), choice]
+        still = []
+        for j, i in enumerate(active):
+            tok = int(choice[j])
+            comp = out[i]
+            comp.tokens.append(tok)
+            comp.logprobs.append(float(chosen_lp[j]))
+            ctxs[i].push(tok)
+            if tok < NUM_BYTES:
+                texts[i].append(tok)
+            if tok in stop_token_ids:
+                comp.stop_reason = "stop"
+                continue
+            if max_stop and tok < NUM_BYTES and any(texts[i].endswith(s) for s in stop_strings):
+                comp.stop_reason = "stop"
+                continue
+            still.append(i)
+        active = still
+    return out

@@ -1,0 +1,678 @@
+"""Offline stand-ins for ``pytrio.ServiceClient``, ``TrainingClient`` and ``SamplingClient``.
+
+Same method names, signatures and return types as pytrio 0.2.9 (a test compares them with ``inspect.signature``);
+inputs and outputs are pytrio's own types; validation is pytrio's own (``plan_training_batch`` for training data, the
+sampling client's checks for prompts and ``max_tokens``). Work runs on a private event loop in a background thread,
+like pytrio's runtime, so the sync API works inside Jupyter's running loop and the async API under any loop.
+
+Every request waits a simulated network latency (concurrently, like real requests in flight) and then runs its
+numpy computation on one worker thread (the "accelerator"); a training client's operations run in submission
+order. Optional fault injection raises pytrio's own transient error type before any work is done, so a retry is
+always safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pytrio.client.training_batch import normalize_loss_fn, plan_training_batch
+from pytrio.errors.actor import ActorAPIError
+from pytrio.errors.base import ValidationError
+from pytrio.model.limits import TrainingLimits
+from pytrio.types import (
+    AdamParams,
+    APIFuture,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SampleSequence,
+    SamplingParams,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    TensorData,
+)
+
+from trio_helpers.offline import catalog
+from trio_helpers.offline.losses import adamw_step, resolve_loss_config, run_batch
+from trio_helpers.offline.model import Adapter, TinyLM, log_softmax, sample_completions, sequence_features
+from trio_helpers.offline.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
+
+URI_SCHEME = "trio-offline://"
+MAX_SEQ_LEN = 8192
+TRAINING_LIMITS = TrainingLimits(max_batch_size=None, max_tokens_per_request=None, max_seq_len=MAX_SEQ_LEN)
+
+
+def default_home() -> Path:
+    """Where checkpoints and fitted base models live: ``$TRIO_OFFLINE_HOME`` or ``~/.cache/trio_helpers``."""
+    return Path(os.environ.get("TRIO_OFFLINE_HOME") or Path.home() / ".cache" / "trio_helpers")
+
+
+@dataclass
+class OfflineOptions:
+    """Knobs of the offline service (all passed through ``trio_helpers.connect(..., **options)``).
+
+    Attributes:
+        latency: simulated seconds each request spends "on the network" (sampling, logprobs and training calls
+            alike). Concurrent requests wait concurrently, sequential ones add up.
+        fault_rate: probability that a request fails with pytrio's transient ``ActorAPIError`` (status 503,
+            ``retryable=True``) before doing any work.
+        seed: seeds the fault injector and the default sampling seed stream.
+        home: directory for checkpoints and cached base models.
+    """
+
+    latency: float = 0.01
+    fault_rate: float = 0.0
+    seed: int = 0
+    home: Path = field(default_factory=default_home)
+
+    def __post_init__(self) -> None:
+        if self.latency < 0:
+            raise ValueError(f"latency must be >= 0 seconds, got {self.latency}")
+        if not 0.0 <= self.fault_rate < 1.0:
+            raise ValueError(f"fault_rate must be in [0, 1), got {self.fault_rate}")
+        self.home = Path(self.home)
+
+
+class _Runtime:
+    """A private event loop thread (requests) plus one compute thread (the simulated accelerator)."""
+
+    def __init__(self, options: OfflineOptions) -> None:
+        self.options = options
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="trio-offline-loop", daemon=True)
+        self.thread.start()
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trio-offline-compute")
+        self._fault_rng = np.random.default_rng([options.seed, 7])
+        self._fault_lock = threading.Lock()
+        self.request_counter = itertools.count()
+
+    def should_fail(self) -> bool:
+        if self.options.fault_rate <= 0:
+            return False
+        with self._fault_lock:
+            return bool(self._fault_rng.random() < self.options.fault_rate)
+
+    def submit(self, fn, *, after: Future | None = None, operation: str) -> Future:
+        """Run ``fn`` on the compute thread after the latency (and after ``after`` finished, if given)."""
+        fail = self.should_fail()
+
+        async def request():
+            if after is not None:
+                try:
+                    await asyncio.wrap_future(after)
+                except BaseException:  # noqa: BLE001 - ordering only; the earlier failure was reported there
+                    pass
+            if self.options.latency:
+                await asyncio.sleep(self.options.latency)
+            if fail:
+                raise ActorAPIError(
+                    f"offline backend: simulated transient failure of {operation} (fault_rate="
+                    f"{self.options.fault_rate}); nothing was executed, retrying is safe",
+                    status_code=503,
+                    code="actor.unavailable",
+                    retryable=True,
+                    operation=operation,
+                )
+            return await self.loop.run_in_executor(self.compute, fn)
+
+        return asyncio.run_coroutine_threadsafe(request(), self.loop)
+
+
+def _unknown_model_error(name: str) -> ValidationError:
+    return ValidationError(
+        f"unknown base model {name!r} on the offline backend. Offline catalog: {', '.join(catalog.model_names())}. "
+        "Use one of these names, or run on the real service (TRIO_BACKEND=remote) for other models.",
+        code="validation.unsupported_model",
+        details={"base_model": name, "supported_models": catalog.model_names()},
+    )
+
+
+def _check_model(name: str) -> str:
+    if not isinstance(name, str) or name not in catalog.model_names():
+        raise _unknown_model_error(str(name))
+    return name
+
+
+class OfflineServiceClient:
+    """Offline twin of ``pytrio.ServiceClient`` (create one with ``trio_helpers.connect("offline")``)."""
+
+    def __init__(self, options: OfflineOptions | None = None) -> None:
+        self.options = options or OfflineOptions()
+        self._runtime = _Runtime(self.options)
+        self.backend = "offline"
+
+    def __repr__(self) -> str:
+        return f"OfflineServiceClient(latency={self.options.latency}, fault_rate={self.options.fault_rate})"
+
+    # --- catalog -------------------------------------------------------------------------------------------
+    def get_supported_models(self) -> list[str]:
+        """Model names the offline backend serves."""
+        return catalog.model_names()
+
+    # --- training clients ------------------------------------------------------------------------------------
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> "OfflineTrainingClient":
+        if rank not in range(4, 65):
+            raise ValidationError(f"rank must be in [4, 64]. Got {rank}", code="validation.invalid_lora_rank")
+        _check_model(base_model)
+        base = catalog.base_weights(base_model, self.options.home)
+        adapter = Adapter.fresh(base.dim, rank, seed=0 if seed is None else seed, alpha=catalog.lora_alpha(base_model))
+        return OfflineTrainingClient(self, base_model, adapter, rank=rank, seed=seed)
+
+    async def create_lora_training_client_async(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> "OfflineTrainingClient":
+        return await asyncio.to_thread(
+            self.create_lora_training_client, base_model, rank, seed, train_mlp, train_attn, train_unembed
+        )
+
+    def create_training_client_from_state(self, path: str) -> "OfflineTrainingClient":
+        return self._from_state(path, with_optimizer=False)
+
+    async def create_training_client_from_state_async(self, path: str) -> "OfflineTrainingClient":
+        return await asyncio.to_thread(self._from_state, path, False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> "OfflineTrainingClient":
+        return self._from_state(path, with_optimizer=True)
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str) -> "OfflineTrainingClient":
+        return await asyncio.to_thread(self._from_state, path, True)
+
+    def _from_state(self, path: str, with_optimizer: bool) -> "OfflineTrainingClient":
+        ckpt = _load_checkpoint(self.options.home, path, kind="state")
+        meta = ckpt["meta"]
+        base = catalog.base_weights(meta["base_model"], self.options.home)
+        adapter = Adapter(A=ckpt["A"], B=ckpt["B"], scale=float(meta["scale"]))
+        client = OfflineTrainingClient(self, meta["base_model"], adapter, rank=int(meta["rank"]), seed=meta.get("seed"))
+        if with_optimizer:
+            client._adam = _unpack_adam(ckpt)
+        return client
+
+    # --- sampling clients ------------------------------------------------------------------------------------
+    def create_sampling_client(self, base_model: str, model_path: str | None = None) -> "OfflineSamplingClient":
+        _check_model(base_model)
+        base = catalog.base_weights(base_model, self.options.home)
+        adapter = None
+        if model_path is not None:
+            ckpt = _load_checkpoint(self.options.home, model_path, kind="weights")
+            if ckpt["meta"]["base_model"] != base_model:
+                raise ValidationError(
+                    f"checkpoint {model_path!r} was trained from {ckpt['meta']['base_model']!r}, not {base_model!r}: "
+                    "pass the base model the weights were trained from.",
+                    code="validation.checkpoint_model_mismatch",
+                )
+            adapter = Adapter(A=ckpt["A"], B=ckpt["B"], scale=float(ckpt["meta"]["scale"]))
+        return OfflineSamplingClient(self, base_model, TinyLM(base, adapter), model_path=model_path)
+
+    async def create_sampling_client_async(
+        self, base_model: str, model_path: str | None = None
+    ) -> "OfflineSamplingClient":
+        return await asyncio.to_thread(self.create_sampling_client, base_model, model_path)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+def _checkpoint_file(home: Path, uri: str) -> Path:
+    if not isinstance(uri, str) or not uri.startswith(URI_SCHEME):
+        raise ValidationError(
+            f"{uri!r} is not an offline checkpoint path; offline paths look like "
+            f"'{URI_SCHEME}<run>/weights/<name>' or '{URI_SCHEME}<run>/state/<name>' (as returned by "
+            "save_weights_for_sampler / save_state).",
+            code="validation.invalid_checkpoint_path",
+        )
+    rel = uri[len(URI_SCHEME):]
+    parts = rel.split("/")
+    if len(parts) != 3 or parts[1] not in ("weights", "state") or not all(parts) or ".." in parts:
+        raise ValidationError(
+            f"malformed offline checkpoint path {uri!r}: expected '{URI_SCHEME}<run>/weights|state/<name>'.",
+            code="validation.invalid_checkpoint_path",
+        )
+    return home / "checkpoints" / parts[0] / parts[1] / f"{parts[2]}.npz"
+
+
+def _load_checkpoint(home: Path, uri: str, kind: str) -> dict:
+    path = _checkpoint_file(home, uri)
+    if kind == "state" and "/weights/" in uri:
+        raise ValidationError(
+            f"{uri!r} holds sampler weights only; training state (with optimizer) comes from save_state(...).path.",
+            code="validation.invalid_checkpoint_path",
+        )
+    if not path.exists():
+        raise ValidationError(
+            f"no offline checkpoint at {uri!r} (looked in the offline home {path.parent.parent.parent.name}/). "
+            "Check the path returned by save_weights_for_sampler/save_state, and that TRIO_OFFLINE_HOME matches.",
+            code="validation.checkpoint_not_found",
+        )
+    with np.load(path, allow_pickle=False) as z:
+        out = {k: z[k] for k in z.files}
+    out["meta"] = json.loads(str(out.pop("meta_json")))
+    return out
+
+
+def _unpack_adam(ckpt: dict) -> dict:
+    state: dict = {}
+    if "adam_step" in ckpt:
+        state["step"] = int(ckpt["adam_step"])
+        for name in ("A", "B"):
+            state[("m", name)] = ckpt[f"adam_m_{name}"].copy()
+            state[("v", name)] = ckpt[f"adam_v_{name}"].copy()
+    return state
+
+
+class OfflineTrainingClient:
+    """Offline twin of ``pytrio.TrainingClient``: a LoRA adapter on a frozen offline base model."""
+
+    def __init__(self, service: OfflineServiceClient, base_model: str, adapter: Adapter, rank: int, seed) -> None:
+        self._service = service
+        self._runtime = service._runtime
+        self.model_id = base_model
+        self.base_model = base_model
+        self.rank = rank
+        self.seed = seed
+        self.run_id = f"run-{uuid.uuid4().hex[:8]}"
+        self._model = TinyLM(catalog.base_weights(base_model, service.options.home), adapter)
+        self._grads: dict[str, np.ndarray] | None = None
+        self._adam: dict = {}
+        self._tail: Future | None = None
+        self._started = False  # set by the first queued operation; load_state* must come before it (as in pytrio)
+        self._order = threading.Lock()
+        self._sampler_count = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"OfflineTrainingClient(base_model={self.base_model!r}, rank={self.rank}, run={self.run_id!r})"
+
+    # ordering: every operation of one training client runs after the previous one, like the service's queue
+    def _submit(self, fn, operation: str) -> APIFuture:
+        with self._order:
+            fut = self._runtime.submit(fn, after=self._tail, operation=operation)
+            self._tail = fut
+            self._started = True
+        return APIFuture(fut)
+
+    def _check_not_started(self) -> None:
+        # pytrio binds the checkpoint at trainer initialisation, so it refuses load_state once any operation ran
+        if self._started:
+            raise ValidationError(
+                "load_state cannot be called after training has started. "
+                "Call load_state before the first training operation.",
+                code="validation.already_initialized",
+            )
+
+    def get_tokenizer(self) -> object:
+        return get_offline_tokenizer()
+
+    # --- forward / backward ------------------------------------------------------------------------------
+    def _plan(self, data, loss_fn, loss_fn_config, auto_shift):
+        if not isinstance(data, list):
+            raise TypeError(f"data must be a list of pytrio.Datum, got {type(data).__name__}")
+        for i, d in enumerate(data):
+            if not isinstance(d, Datum):
+                raise TypeError(f"data[{i}] must be a pytrio.Datum, got {type(d).__name__}")
+        plan = plan_training_batch(
+            data, loss_fn=loss_fn, auto_shift=auto_shift, limits=TRAINING_LIMITS, tokenizer_vocab_size=VOCAB_SIZE
+        )
+        name = normalize_loss_fn(loss_fn)
+        return plan, name, resolve_loss_config(name, loss_fn_config)
+
+    def _forward_impl(self, plan, name, cfg, auto_shift, backward: bool) -> ForwardBackwardOutput:
+        result = run_batch(self._model, plan, name, cfg, auto_shift, backward)
+        if backward:
+            if self._grads is None:
+                self._grads = result.grads
+            else:
+                for k, g in result.grads.items():
+                    self._grads[k] += g
+        return ForwardBackwardOutput(
+            loss_fn_outputs=[
+                {"logprobs": TensorData.from_numpy(lp.astype(np.float32))} for lp in result.per_sample_logprobs
+            ],
+            metrics={
+                "loss_sum": result.loss_sum,
+                "loss_mean": result.loss_sum / result.token_count if result.token_count else 0.0,
+                "token_count": result.token_count,
+            },
+        )
+
+    def forward(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        plan, name, cfg = self._plan(data, loss_fn, loss_fn_config, auto_shift)
+        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, False), "forward")
+
+    async def forward_async(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward(data, loss_fn, loss_fn_config, auto_shift)
+
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        plan, name, cfg = self._plan(data, loss_fn, loss_fn_config, auto_shift)
+        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, True), "forward_backward")
+
+    async def forward_backward_async(
+        self,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward(data, loss_fn, loss_fn_config, auto_shift)
+
+    # --- optimizer ---------------------------------------------------------------------------------------
+    def _optim_impl(self, hp: AdamParams) -> OptimStepResponse:
+        grads = self._grads or {k: np.zeros_like(v) for k, v in self._model.adapter.params().items()}
+        metrics = adamw_step(self._model.adapter.params(), grads, self._adam, hp)
+        self._grads = None
+        return OptimStepResponse(metrics=metrics)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        if not isinstance(adam_params, AdamParams):
+            raise TypeError(f"adam_params must be a pytrio.AdamParams, got {type(adam_params).__name__}")
+        return self._submit(lambda: self._optim_impl(adam_params), "optim_step")
+
+    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self.optim_step(adam_params)
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def _write(self, kind: str, name: str, with_optimizer: bool, overwrite: bool) -> tuple[str, int]:
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"checkpoint name must be a non-empty string without '/', got {name!r}")
+        uri = f"{URI_SCHEME}{self.run_id}/{kind}/{name}"
+        path = _checkpoint_file(self._service.options.home, uri)
+        if path.exists() and not overwrite:
+            raise ValidationError(
+                f"checkpoint {uri!r} already exists; pass overwrite=True or choose another name.",
+                code="validation.checkpoint_exists",
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        a = self._model.adapter
+        meta = {"base_model": self.base_model, "rank": self.rank, "scale": a.scale, "seed": self.seed, "kind": kind}
+        arrays = {"A": a.A, "B": a.B, "meta_json": np.array(json.dumps(meta))}
+        if with_optimizer and self._adam:
+            arrays["adam_step"] = np.array(self._adam["step"])
+            for n in ("A", "B"):
+                arrays[f"adam_m_{n}"] = self._adam[("m", n)]
+                arrays[f"adam_v_{n}"] = self._adam[("v", n)]
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+        return uri, path.stat().st_size
+
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        def save():
+            uri, size = self._write("weights", name, with_optimizer=False, overwrite=True)
+            return SaveWeightsForSamplerResponse(path=uri, model=self.base_model, size=size)
+
+        return self._submit(save, "save_weights_for_sampler")
+
+    async def save_weights_for_sampler_async(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(name, ttl_seconds)
+
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsResponse]:
+        def save():
+            uri, size = self._write("state", name, with_optimizer=True, overwrite=overwrite)
+            return SaveWeightsResponse(path=uri, model=self.base_model, size=size)
+
+        return self._submit(save, "save_state")
+
+    async def save_state_async(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsResponse]:
+        return self.save_state(name, ttl_seconds, overwrite)
+
+    def _load_impl(self, path: str, with_optimizer: bool) -> dict[str, object]:
+        ckpt = _load_checkpoint(self._service.options.home, path, kind="state")
+        if ckpt["meta"]["base_model"] != self.base_model or int(ckpt["meta"]["rank"]) != self.rank:
+            raise ValidationError(
+                f"checkpoint {path!r} is for {ckpt['meta']['base_model']!r} rank {ckpt['meta']['rank']}, but this "
+                f"client trains {self.base_model!r} rank {self.rank}.",
+                code="validation.checkpoint_model_mismatch",
+            )
+        self._model.adapter = Adapter(A=ckpt["A"].copy(), B=ckpt["B"].copy(), scale=float(ckpt["meta"]["scale"]))
+        self._grads = None
+        self._adam = _unpack_adam(ckpt) if with_optimizer else {}
+        return {"path": path, "optimizer_loaded": with_optimizer}
+
+    def load_state(self, path: str) -> APIFuture[dict[str, object]]:
+        self._check_not_started()
+        _checkpoint_file(self._service.options.home, path)
+        return self._submit(lambda: self._load_impl(path, False), "load_state")
+
+    async def load_state_async(self, path: str) -> APIFuture[dict[str, object]]:
+        return self.load_state(path)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[dict[str, object]]:
+        self._check_not_started()
+        _checkpoint_file(self._service.options.home, path)
+        return self._submit(lambda: self._load_impl(path, True), "load_state_with_optimizer")
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[dict[str, object]]:
+        return self.load_state_with_optimizer(path)
+
+    # --- samplers ----------------------------------------------------------------------------------------
+    def save_weights_and_get_sampling_client(self) -> "OfflineSamplingClient":
+        """Snapshot the current adapter into a new sampler (later training does not change it)."""
+        snapshot = self._submit(lambda: self._model.adapter.copy(), "save_weights_and_get_sampling_client").result()
+        return OfflineSamplingClient(self._service, self.base_model, TinyLM(self._model.base, snapshot))
+
+    async def save_weights_and_get_sampling_client_async(self) -> "OfflineSamplingClient":
+        fut = self._submit(lambda: self._model.adapter.copy(), "save_weights_and_get_sampling_client")
+        snapshot = await fut
+        return OfflineSamplingClient(self._service, self.base_model, TinyLM(self._model.base, snapshot))
+
+    def create_sampling_client(self, model_path: str) -> "OfflineSamplingClient":
+        return self._service.create_sampling_client(self.base_model, model_path=model_path)
+
+    async def create_sampling_client_async(self, model_path: str) -> "OfflineSamplingClient":
+        return await asyncio.to_thread(self.create_sampling_client, model_path)
+
+
+def _stop_spec(stop) -> tuple[frozenset[int], tuple[bytes, ...]]:
+    ids = {IM_END_ID, ENDOFTEXT_ID}  # the model's end-of-turn tokens always stop, as on the service
+    strings: list[bytes] = []
+    if stop is None:
+        pass
+    elif isinstance(stop, str):
+        strings.append(stop.encode())
+    else:
+        for item in stop:
+            if isinstance(item, bool):
+                raise TypeError("SamplingParams.stop items must be str or int token ids, got bool")
+            if isinstance(item, int):
+                if not 0 <= item < VOCAB_SIZE:
+                    raise ValidationError(
+                        f"stop token id {item} is outside the vocabulary [0, {VOCAB_SIZE})",
+                        code="validation.invalid_sampling_request",
+                    )
+                ids.add(item)
+            else:
+                strings.append(str(item).encode())
+    return frozenset(ids), tuple(s for s in strings if s)
+
+
+class OfflineSamplingClient:
+    """Offline twin of ``pytrio.SamplingClient``: samples from a frozen snapshot of weights."""
+
+    def __init__(self, service: OfflineServiceClient, base_model: str, model: TinyLM, model_path: str | None = None):
+        self._service = service
+        self._runtime = service._runtime
+        self.model_id = base_model
+        self.base_model = base_model
+        self.model_path = model_path
+        self._model = model
+
+    def __repr__(self) -> str:
+        return f"OfflineSamplingClient(base_model={self.base_model!r}, model_path={self.model_path!r})"
+
+    def get_tokenizer(self) -> object:
+        return get_offline_tokenizer()
+
+    @staticmethod
+    def _validate_prompt(prompt: ModelInput) -> list[int]:
+        if not isinstance(prompt, ModelInput):
+            raise TypeError(
+                f"prompt must be a pytrio.ModelInput (e.g. ModelInput.from_ints(tokens)), got {type(prompt).__name__}"
+            )
+        if prompt.is_empty:
+            raise ValidationError("prompt cannot be empty", code="validation.empty_prompt")
+        tokens = prompt.to_ints()
+        bad = [t for t in tokens if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise ValidationError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})",
+                code="validation.token_id_out_of_range",
+            )
+        return tokens
+
+    def _sample_impl(self, tokens, num_samples, sp: SamplingParams, include_prompt_logprobs, topk, return_text):
+        seed = sp.seed if sp.seed is not None else next(self._runtime.request_counter) + 1_000_003 * self._service.options.seed
+        rng = np.random.default_rng([int(seed), 0x5A4D])
+        ids, strings = _stop_spec(sp.stop)
+        comps = sample_completions(
+            self._model, tokens, num_samples, int(sp.max_tokens), rng,
+            temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),
+            stop_token_ids=ids, stop_strings=strings,
+        )
+        tok = get_offline_tokenizer() if return_text else None
+        prompt_lp: list[float | None] = []
+        topk_lp: list[list[tuple[int, float]] | None] = []
+        if include_prompt_logprobs or topk > 0:
+            all_lp = self._prompt_logprobs(tokens)
+            if include_prompt_logprobs:
+                prompt_lp = [None] + [float(all_lp[i - 1, tokens[i]]) for i in range(1, len(tokens))]
+            if topk > 0:
+                top = np.argsort(-all_lp, axis=-1, kind="stable")[:, :topk]
+                topk_lp = [None] + [
+                    [(int(t), float(all_lp[i - 1, t])) for t in top[i - 1]] for i in range(1, len(tokens))
+                ]
+        return SampleResponse(
+            sequences=[
+                SampleSequence(
+                    stop_reason=c.stop_reason,
+                    tokens=c.tokens,
+                    text=tok.decode(c.tokens, skip_special_tokens=True) if tok else None,
+                    logprobs=c.logprobs,
+                )
+                for c in comps
+            ],
+            prompt_logprobs=prompt_lp,
+            topk_prompt_logprobs=topk_lp,
+            input_tokens=len(tokens),
+            output_tokens=sum(len(c.tokens) for c in comps),
+        )
+
+    def _prompt_logprobs(self, tokens: list[int]) -> np.ndarray:
+        keys, _ = sequence_features(tokens)
+        _, logp = self._model.logprobs_all(keys[:-1]) if len(tokens) > 1 else (None, np.zeros((0, VOCAB_SIZE)))
+        return logp
+
+    def _submit_sample(self, prompt, num_samples, sampling_params, include_prompt_logprobs, topk, return_text):
+        tokens = self._validate_prompt(prompt)
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a pytrio.SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.max_tokens is None or sampling_params.max_tokens <= 0:
+            raise ValidationError(
+                "sampling_params.max_tokens must be greater than 0", code="validation.invalid_sampling_request"
+            )
+        if num_samples < 1 or topk_prompt_logprobs_invalid(topk):
+            raise ValidationError(
+                f"num_samples must be >= 1 and topk_prompt_logprobs >= 0 (got {num_samples}, {topk})",
+                code="validation.invalid_sampling_request",
+            )
+        if sampling_params.temperature < 0 or not 0 < sampling_params.top_p <= 1 or sampling_params.top_k == 0:
+            raise ValidationError(
+                "invalid sampling parameters: need temperature >= 0, 0 < top_p <= 1 and top_k = -1 or >= 1 "
+                f"(got temperature={sampling_params.temperature}, top_p={sampling_params.top_p}, "
+                f"top_k={sampling_params.top_k})",
+                code="validation.invalid_sampling_request",
+            )
+        _stop_spec(sampling_params.stop)
+        fut = self._runtime.submit(
+            lambda: self._sample_impl(tokens, num_samples, sampling_params, include_prompt_logprobs, topk, return_text),
+            operation="sample",
+        )
+        return APIFuture(fut)
+
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams = SamplingParams(),
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        return_text: bool = True,
+    ) -> APIFuture[SampleResponse]:
+        return self._submit_sample(
+            prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs, return_text
+        )
+
+    async def sample_async(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams = SamplingParams(),
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        return_text: bool = True,
+    ) -> SampleResponse:
+        return await self._submit_sample(
+            prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs, return_text
+        )
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        tokens = self._validate_prompt(prompt)
+
+        def run() -> list[float | None]:
+            logp = self._prompt_logprobs(tokens)
+            return [None] + [float(logp[i - 1, tokens[i]]) for i in range(1, len(tokens))]
+
+        return APIFuture(self._runtime.submit(run, operation="compute_logprobs"))
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
+        return await self.compute_logprobs(prompt)
+
+
+def topk_prompt_logprobs_invalid(topk: int) -> bool:
+    return not isinstance(topk, int) or topk < 0

@@ -1,0 +1,64 @@
+# Build, test and regenerate the PyTRIO RL book. Every target runs inside .venv, created on first use.
+#
+#   make book                          build the HTML book from the committed notebook outputs (no execution)
+#   make test                          unit tests + strict nbval over notebooks/*.ipynb on the offline backend
+#   make notebook NB=notebooks/NN_x.md re-execute one chapter offline and rewrite its .ipynb/.md pair
+#   make notebooks                     the same for every chapter
+#   make venv                          create/update .venv (automatic; re-runs when requirements change)
+#   make clean                         remove build and test outputs (keeps .venv; `rm -rf .venv` for that)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# Environment for executing chapters: offline backend, no hub downloads, the kernel's own inline
+# matplotlib backend (an inherited MPLBACKEND=Agg would drop every figure), the venv's kernel spec.
+RUN_ENV := env -u MPLBACKEND TRIO_BACKEND=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 JUPYTER_PREFER_ENV_PATH=1
+CELL_TIMEOUT := 600
+
+.PHONY: help venv test book notebook notebooks clean
+
+help:
+	@sed -n '3,8p' Makefile | sed 's/^# *//'
+
+venv: $(STAMP)
+
+# Idempotent: the stamp is rebuilt (pip install re-run) only when requirements.txt or pyproject.toml change.
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "error: the book needs Python >= 3.11; '$(PYTHON)' is $$($(PYTHON) --version 2>&1). Use make PYTHON=python3.11 ..." >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -r requirements.txt
+	$(BIN)/python -m pip install --quiet -e . --no-deps
+	touch $@
+
+test: venv
+	TRIO_BACKEND=offline $(BIN)/python -m pytest
+
+book: venv
+	$(BIN)/jupyter-book build . -W -n --keep-going --all
+
+# NB may name either file of a pair (or the pair's stem); the .md is the source you edit.
+notebook: venv
+	@case "$(NB)" in \
+	  notebooks/[0-9][0-9]_*) ;; \
+	  *) echo "usage: make notebook NB=notebooks/NN_topic.md" >&2; exit 2 ;; \
+	esac
+	$(BIN)/jupytext --to ipynb --update $(basename $(NB)).md
+	$(RUN_ENV) $(BIN)/jupyter-execute --inplace --timeout=$(CELL_TIMEOUT) $(basename $(NB)).ipynb
+	$(BIN)/jupytext --to md:myst $(basename $(NB)).ipynb
+
+notebooks: venv
+	for nb in notebooks/[0-9][0-9]_*.md; do \
+	  [ -e "$$nb" ] || { echo "no notebooks/NN_*.md yet"; exit 0; }; \
+	  $(MAKE) --no-print-directory notebook NB="$$nb"; \
+	done
+
+clean:
+	rm -rf _build .pytest_cache .hypothesis swanlog notebooks/swanlog
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

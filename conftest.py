@@ -1,0 +1,47 @@
+"""Session-wide settings for `make test` (unit tests in tests/ and strict nbval over notebooks/).
+
+Everything runs on the offline backend: `TRIO_BACKEND=offline` is forced here, before any test runs or
+any notebook kernel starts; the kernels nbval launches inherit this process's environment. No API key
+is ever set (with a key but no reachable service, pytrio would retry for about fifteen minutes).
+
+Matplotlib: this process renders with Agg (no display needed). The `MPLBACKEND` variable itself is
+removed rather than set, because kernels inherit it: with `MPLBACKEND=Agg` a kernel's `plt.show()`
+displays nothing, so a notebook whose committed outputs contain figures would fail strict nbval. Without
+the variable, ipykernel picks its inline backend, exactly as when `make notebook` executed the chapter.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+os.environ["TRIO_BACKEND"] = "offline"
+# Tests never download models or data sets: make the Hugging Face libraries fail fast instead of retrying.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.pop("MPLBACKEND", None)
+matplotlib.use("Agg")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Resolve a relative `--nbval-sanitize-with` path against the repository root.
+
+    This lets `pytest` run from any working directory with the options in pyproject.toml.
+    """
+    sanitize = getattr(config.option, "nbval_sanitize_with", None)
+    if sanitize and not Path(sanitize).is_absolute():
+        config.option.nbval_sanitize_with = str(config.rootpath / sanitize)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Fit (or load from the cache) the offline base models before any test or notebook kernel needs them.
+
+    The first use of a fitted model prints a one-time "fitting ..." message; doing it here keeps that message out
+    of notebook outputs, which strict nbval compares.
+    """
+    from trio_helpers.offline.fit import ensure_fitted
+
+    ensure_fitted()

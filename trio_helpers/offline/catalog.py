@@ -24,12 +24,13 @@ class ModelSpec:
     role: str  # "student", "teacher" or "tiny"
     dim: int
     table_size: int
-    lora_alpha: float
+    lora_alpha: float  # LoRA's alpha: the low-rank update is scaled by alpha / rank
+    final_row_scale: float  # scale of the two final-line adapter rows
 
 
-STUDENT = ModelSpec("Qwen/Qwen3.5-4B", "student", dim=32, table_size=1 << 17, lora_alpha=32.0 * 75)
-TEACHER = ModelSpec("Qwen/Qwen3.6-27B", "teacher", dim=64, table_size=1 << 17, lora_alpha=32.0 * 75)
-TINY = ModelSpec("offline/tiny", "tiny", dim=16, table_size=1 << 12, lora_alpha=32.0)
+STUDENT = ModelSpec("Qwen/Qwen3.5-4B", "student", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20, final_row_scale=2400.0)
+TEACHER = ModelSpec("Qwen/Qwen3.6-27B", "teacher", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20, final_row_scale=2400.0)
+TINY = ModelSpec("offline/tiny", "tiny", dim=16, table_size=1 << 12, lora_alpha=32.0, final_row_scale=32.0)
 
 _SPECS = {
     STUDENT.name: STUDENT,
@@ -52,8 +53,9 @@ def spec(name: str) -> ModelSpec:
     return _SPECS[name]
 
 
-def lora_alpha(name: str) -> float:
-    return _SPECS[name].lora_alpha
+def adapter_scales(name: str) -> tuple[float, float]:
+    """``(lora_alpha, final_row_scale)`` of a model's adapter."""
+    return _SPECS[name].lora_alpha, _SPECS[name].final_row_scale
 
 
 def base_weights(name: str, home: Path | None = None) -> BaseWeights:

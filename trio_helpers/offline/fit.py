@@ -6,21 +6,23 @@ base weights fitted by next-token cross-entropy on text built from the package's
 solution. Like real pretraining text, the solutions end in several final-answer styles (``#### N``,
 ``The answer is N.``, ``\\boxed{N}``), drawn independently for each of several copies of every problem:
 
-============  ==========  ===========  =========  =====================================
-model         ``#### N``  sentence     boxed      size
-============  ==========  ===========  =========  =====================================
-student       45%         35%          20%        d = 32, 2 epochs
-teacher       10%         10%          80%        d = 64, 3 epochs
-============  ==========  ===========  =========  =====================================
+============  ==========  ===========  =========  ================================================
+model         ``#### N``  sentence     boxed      fitting
+============  ==========  ===========  =========  ================================================
+student       35%         25%          40%        d = 32, 8 epochs from scratch (lr 0.05, cosine)
+teacher       3%          2%           95%        the student's weights + 2 epochs (lr 0.025, cosine)
+============  ==========  ===========  =========  ================================================
 
-So the student writes the format the grader demands only some of the time (its groups are mixed), and the teacher
-prefers it and is sharper (lower loss per token), which gives on-policy distillation a positive reverse KL to shrink.
+Each problem appears 4 times; since the worked steps are the same in every copy, the first copy is fitted on the
+whole solution and the others on their final-answer line only. So the student writes the format the grader demands
+only some of the time (its groups are mixed); the teacher knows everything the student knows, prefers the boxed
+format and is sharper (lower loss per token), which gives on-policy distillation a positive reverse KL to shrink.
 The models see the solutions of both splits while fitting, as pretrained LLMs have seen benchmark-like text; the
 book says so where it reports accuracies.
 
 Fitting is deterministic (fixed seeds, fixed data order) and uses sparse-row Adam on the embedding table. Weights
 are cached under ``$TRIO_OFFLINE_CACHE`` (default ``~/.cache/trio_helpers/models``) in a file named by a hash of
-everything that determines them (the fitting code version, the model spec and the corpus), so a change to any of
+everything that determines them (this file, the model code, the model spec and the corpus), so a change to any of
 them refits instead of loading stale weights.
 
 ``python -m trio_helpers.offline.fit`` fits (or loads) both models and prints how long each took.
@@ -43,12 +45,12 @@ from trio_helpers.offline.tokenizer import IM_END_ID, VOCAB_SIZE, get_offline_to
 FIT_VERSION = "fit-v1"
 STYLE_MIX = {
     "student": {"hash": 0.35, "sentence": 0.25, "boxed": 0.40},
-    "teacher": {"hash": 0.10, "sentence": 0.10, "boxed": 0.80},
+    "teacher": {"hash": 0.03, "sentence": 0.02, "boxed": 0.95},
 }
-EPOCHS = {"student": 4, "teacher": 4}
-COPIES = 4
+EPOCHS = {"student": 8, "teacher": 2}
+COPIES = 4  # copies of each problem (the later ones train the final line only)
 BATCH_TOKENS = 8192
-LEARNING_RATE = 0.05
+LEARNING_RATE = {"student": 0.05, "teacher": 0.025}  # the teacher only continues from the student
 EMBED_LR_MULT = (2.0, 20.0)  # step multipliers for shared / per-question embedding rows (the latter are rare)
 
 
@@ -72,8 +74,8 @@ def _fingerprint(spec) -> str:
     h.update(FIT_VERSION.encode())
     h.update(json.dumps([spec.name, spec.role, spec.dim, spec.table_size, STYLE_MIX[spec.role], EPOCHS[spec.role],
                          COPIES, BATCH_TOKENS, LEARNING_RATE, EMBED_LR_MULT]).encode())
-    for module in (model, corpus):  # the feature code and the generator define the weights too
-        h.update(Path(module.__file__).read_bytes())
+    for source in (model.__file__, corpus.__file__, __file__):  # the feature, corpus and fitting code define them
+        h.update(Path(source).read_bytes())
     data_dir = Path(corpus.__file__).parent / "data"
     for f in sorted(data_dir.glob("*.jsonl")):
         h.update(f.read_bytes())
@@ -135,19 +137,22 @@ def _token_matrix(examples) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(keys), np.concatenate(targets)
 
 
-def fit_base(spec, seed: int = 0, verbose: bool = True) -> BaseWeights:
+def fit_base(spec, seed: int = 0, verbose: bool = True, init: BaseWeights | None = None) -> BaseWeights:
     """Fit ``spec``'s base weights by cross-entropy with sparse-row Adam (deterministic).
 
     Computed in float32 for speed (the fitted weights are then used in float64, an exact conversion).
     """
     t0 = time.perf_counter()
     keys, targets = _token_matrix(fitting_examples(spec.role, seed))
-    rows = table_rows(keys, spec.table_size)
+    rows = table_rows(keys, spec.table_size)  # (the final-line slot column is not an embedding feature)
     n, d, f32 = len(targets), spec.dim, np.float32
     rng = np.random.default_rng([seed, spec.dim])
-    E = rng.normal(0.0, 0.01, size=(spec.table_size, d)).astype(f32)
-    W = rng.normal(0.0, 1.0 / np.sqrt(d), size=(d, VOCAB_SIZE)).astype(f32)
-    b = np.zeros(VOCAB_SIZE, dtype=f32)
+    if init is None:
+        E = rng.normal(0.0, 0.01, size=(spec.table_size, d)).astype(f32)
+        W = rng.normal(0.0, 1.0 / np.sqrt(d), size=(d, VOCAB_SIZE)).astype(f32)
+        b = np.zeros(VOCAB_SIZE, dtype=f32)
+    else:  # continue fitting from another model's weights (the teacher starts from the student)
+        E, W, b = init.E.astype(f32), init.W.astype(f32), init.b.astype(f32)
     row_mult = np.where(np.arange(spec.table_size) >= spec.table_size // 2, EMBED_LR_MULT[1], EMBED_LR_MULT[0])
     row_mult = row_mult.astype(f32)[:, None]
     dense = {"W": W, "b": b}
@@ -180,7 +185,7 @@ def fit_base(spec, seed: int = 0, verbose: bool = True) -> BaseWeights:
             gE = np.bincount(flat, weights=np.repeat(dh, NUM_FEATURES, axis=0).ravel(),
                              minlength=len(uniq) * d).reshape(len(uniq), d).astype(f32)
             step += 1
-            lr = LEARNING_RATE * 0.5 * (1 + np.cos(np.pi * step / total_steps))  # cosine decay
+            lr = LEARNING_RATE[spec.role] * 0.5 * (1 + np.cos(np.pi * step / total_steps))  # cosine decay
             c1, c2 = 1 - beta1**step, 1 - beta2**step
             for name, p in dense.items():
                 g = grads[name]
@@ -198,14 +203,25 @@ def fit_base(spec, seed: int = 0, verbose: bool = True) -> BaseWeights:
 
 
 def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
-    """Load ``spec``'s fitted weights from the cache, fitting and caching them first if needed."""
-    path = cache_dir() / f"{spec.role}-{_fingerprint(spec)}.npz"
+    """Load ``spec``'s fitted weights from the cache, fitting and caching them first if needed.
+
+    The teacher continues from the student's fitted weights (so it knows everything the student knows, then is
+    fitted further on mostly-boxed answers); its cache key therefore includes the student's.
+    """
+    from trio_helpers.offline import catalog
+
+    init = None
+    fingerprint = _fingerprint(spec)
+    if spec.role == "teacher":
+        init = load_or_fit(catalog.STUDENT)
+        fingerprint = hashlib.sha256((fingerprint + _fingerprint(catalog.STUDENT)).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{spec.role}-{fingerprint}.npz"
     if path.exists():
         with np.load(path) as z:
             return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
     print(f"trio_helpers offline backend: fitting base model {spec.name!r} on the offline corpus "
           "(first use only; cached afterwards)...", file=sys.stderr)
-    weights = fit_base(spec)
+    weights = fit_base(spec, init=init)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, E=weights.E, W=weights.W, b=weights.b)

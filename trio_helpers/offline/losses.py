@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trio_helpers.offline.model import TinyLM, sequence_features
+from trio_helpers.offline.model import NUM_FEATURES, TinyLM, sequence_features
 
 LOSS_CONFIG_KEYS = {
     "cross_entropy": {},
@@ -143,7 +143,8 @@ def run_batch(model: TinyLM, plan, loss_fn: str, cfg: dict[str, float], auto_shi
     if backward and denom > 0:
         coef = np.where(mask, dloss, 0.0) / denom
         sel = coef != 0.0
-        grads, _ = model.adapter_grads(h[rows[sel]], logp_all[rows[sel]], targets[sel], coef[sel])
+        grads, _ = model.adapter_grads(h[rows[sel]], keys[rows[sel], NUM_FEATURES], logp_all[rows[sel]], targets[sel],
+                                       coef[sel])
     elif backward:
         grads = {k: np.zeros_like(v) for k, v in model.adapter.params().items()}
     return ForwardResult(per_sample, float(loss.sum()), token_count, grads)

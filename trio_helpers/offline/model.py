@@ -35,6 +35,7 @@ NL = 10
 _DIGITS = frozenset(range(48, 58))
 _ROLES = {b"system": 1, b"user": 2, b"assistant": 3}
 NUM_FEATURES = 13
+KEY_WIDTH = NUM_FEATURES + 1  # the hashed features plus the final-line slot
 # Features 9 and 12 are keyed by the question (they let a model memorise solutions it saw while fitting); they live
 # in the upper half of the embedding table, the shared features in the lower half, so fitting can give the rarely
 # seen per-question rows larger steps.
@@ -169,6 +170,8 @@ class Context:
             hash((10, nxt, x2, x1)),
             hash((11, final, x2, x1, min(pos, 15))),
             hash((12, pk, final, x3, x2, x1)),
+            # not a hashed feature: 1 where the final-answer line starts (its adapter row applies), else 0
+            1 if final and self.line_pos == 0 else 0,
         ]
 
 
@@ -225,30 +228,39 @@ class BaseWeights:
 
 @dataclass
 class Adapter:
-    """The trainable low-rank adapter: ``delta_logits = scale * (h @ A) @ B`` with ``scale = alpha / rank``."""
+    """The trainable part: a low-rank adapter on the output layer plus one output row for the final-answer line.
+
+    ``delta_logits = scale * (h @ A) @ B + c_scale * C[slot]`` where ``scale = alpha / rank`` (LoRA's convention)
+    and ``slot`` is 1 where the final-answer line starts, 0 elsewhere (``C[0]`` is fixed at zero, so ``C`` holds one
+    trainable row). ``B`` and ``C`` start at zero, so a fresh adapter changes nothing.
+    """
 
     A: np.ndarray
     B: np.ndarray
+    C: np.ndarray
     scale: float
+    c_scale: float
 
     @property
     def rank(self) -> int:
         return int(self.A.shape[1])
 
     @staticmethod
-    def fresh(dim: int, rank: int, seed: int, alpha: float) -> "Adapter":
+    def fresh(dim: int, rank: int, seed: int, alpha: float, final_row_scale: float) -> "Adapter":
         rng = np.random.default_rng(seed)
         return Adapter(
             A=rng.normal(0.0, 1.0 / math.sqrt(dim), size=(dim, rank)),
             B=np.zeros((rank, VOCAB_SIZE)),
+            C=np.zeros((2, VOCAB_SIZE)),
             scale=alpha / rank,
+            c_scale=final_row_scale,
         )
 
     def copy(self) -> "Adapter":
-        return Adapter(A=self.A.copy(), B=self.B.copy(), scale=self.scale)
+        return Adapter(A=self.A.copy(), B=self.B.copy(), C=self.C.copy(), scale=self.scale, c_scale=self.c_scale)
 
     def params(self) -> dict[str, np.ndarray]:
-        return {"A": self.A, "B": self.B}
+        return {"A": self.A, "B": self.B, "C": self.C}
 
 
 @dataclass
@@ -294,7 +306,7 @@ def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
     Row ``i`` holds the features of the context ``tokens[: i + 1]`` (i.e. for predicting ``tokens[i + 1]``).
 
     Returns:
-        ``(keys, context)``: an int64 array ``[len(tokens), NUM_FEATURES]`` of hashed keys and the context after
+        ``(keys, context)``: an int64 array ``[len(tokens), KEY_WIDTH]`` (hashed keys + final-line slot) and the context after
         the last token (ready to continue sampling).
     """
     split = _prefix_end(tokens)
@@ -319,7 +331,7 @@ def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
     for tok in tokens[split:]:
         ctx.push(tok)
         rows.append(ctx.features())
-    return np.array(rows, dtype=np.int64).reshape(len(rows), NUM_FEATURES), ctx
+    return np.array(rows, dtype=np.int64).reshape(len(rows), KEY_WIDTH), ctx
 
 
 def table_rows(keys: np.ndarray, table_size: int) -> np.ndarray:
@@ -327,7 +339,7 @@ def table_rows(keys: np.ndarray, table_size: int) -> np.ndarray:
     half = table_size // 2
     offsets = np.zeros(NUM_FEATURES, dtype=np.int64)
     offsets[list(PER_QUESTION_SLOTS)] = half
-    return keys % half + offsets
+    return keys[..., :NUM_FEATURES] % half + offsets
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -349,30 +361,34 @@ class TinyLM:
     def hidden(self, keys: np.ndarray) -> np.ndarray:
         return self.base.E[self.rows(keys)].sum(axis=-2)
 
-    def logits_from_hidden(self, h: np.ndarray) -> np.ndarray:
+    def forward(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(h, logits)`` for every row of ``keys`` (``[N, KEY_WIDTH]``)."""
+        h = self.hidden(keys)
         z = h @ self.base.W + self.base.b
         if self.adapter is not None:
-            z = z + self.adapter.scale * ((h @ self.adapter.A) @ self.adapter.B)
-        return z
+            a = self.adapter
+            z = z + a.scale * ((h @ a.A) @ a.B) + a.c_scale * a.C[keys[:, NUM_FEATURES]]
+        return h, z
 
     def logprobs_all(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(h, log_softmax(logits))`` for every row of ``keys``."""
-        h = self.hidden(keys)
-        return h, log_softmax(self.logits_from_hidden(h))
+        h, z = self.forward(keys)
+        return h, log_softmax(z)
 
-    def adapter_grads(self, h: np.ndarray, logp: np.ndarray, targets: np.ndarray, coef: np.ndarray):
-        """Gradients of ``sum_i coef_i * (-logp_i[target_i])`` ... generalised: of ``L = sum_i c_i(lp_i)`` given
-        ``coef_i = dL/dlp_i``, with respect to the adapter's ``A`` and ``B``.
+    def adapter_grads(self, h, slots, logp, targets, coef):
+        """Gradients of ``L`` with respect to the adapter, given ``coef_i = dL/dlp_i`` for target logprobs ``lp_i``.
 
-        ``dlp_i / dz_i = onehot(target_i) - softmax(z_i)``, so ``dL/dz_i = coef_i * (onehot - p_i)``.
+        ``dlp_i / dz_i = onehot(target_i) - softmax(z_i)``, so ``dL/dz_i = coef_i * (onehot - p_i)``; then the chain
+        rule through ``z = ... + scale * (h A) B + c_scale * C[slot]``.
         """
         G = -np.exp(logp) * coef[:, None]
         G[np.arange(len(targets)), targets] += coef
         a = self.adapter
         hA = h @ a.A
-        grad_B = a.scale * (hA.T @ G)
-        grad_A = a.scale * (h.T @ (G @ a.B.T))
-        return {"A": grad_A, "B": grad_B}, G
+        grad_C = np.zeros_like(a.C)
+        np.add.at(grad_C, slots, a.c_scale * G)
+        grad_C[0] = 0.0  # slot 0 means "no final-line row": it is not a parameter
+        return {"A": a.scale * (h.T @ (G @ a.B.T)), "B": a.scale * (hA.T @ G), "C": grad_C}, G
 
 
 @dataclass
@@ -432,7 +448,7 @@ def sample_completions(
         if not active:
             break
         keys = np.array([ctxs[i].features() for i in active], dtype=np.int64)
-        z = model.logits_from_hidden(model.hidden(keys))
+        _, z = model.forward(keys)
         logp = log_softmax(z)
         if temperature == 0:
             choice = z.argmax(axis=-1)

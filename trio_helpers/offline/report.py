@@ -125,20 +125,25 @@ def grpo(trio, svc, tok, records, steps=30, batch=8, group=4, lr=4e-5, seed=0, m
     return rewards
 
 
-def reverse_kl(trio, student_sampler, teacher_sampler, prompts, seed, max_tokens=256):
-    """Exact mean per-token reverse KL (student || teacher) over the student's own samples of ``prompts``."""
+def reverse_kl(trio, student_sampler, teacher_sampler, prompts, seed, max_tokens=256, samples=4):
+    """Exact mean per-token reverse KL (student || teacher) over the student's own samples of ``prompts``.
+
+    "Exact": at every position the full next-token distributions of both models are compared
+    (``sum_v p_s(v) * (log p_s(v) - log p_t(v))``), not a one-sample estimate. Several fixed-seed samples per prompt
+    keep the measure from hinging on whether one sample happened to go astray.
+    """
     from trio_helpers.offline.model import log_softmax, sequence_features
 
     kls = []
     for i, p in enumerate(prompts):
-        seq = student_sampler.sample(p, num_samples=1, sampling_params=trio.SamplingParams(
-            max_tokens=max_tokens, seed=seed + i)).result().sequences[0]
-        tokens = p.to_ints() + seq.tokens
-        keys, _ = sequence_features(tokens)
-        rows = keys[len(p.to_ints()) - 1 : len(tokens) - 1]
-        ls = log_softmax(student_sampler._model.logits_from_hidden(student_sampler._model.hidden(rows)))
-        lt = log_softmax(teacher_sampler._model.logits_from_hidden(teacher_sampler._model.hidden(rows)))
-        kls.extend((np.exp(ls) * (ls - lt)).sum(axis=-1))
+        params = trio.SamplingParams(max_tokens=max_tokens, seed=seed + i)
+        for seq in student_sampler.sample(p, num_samples=samples, sampling_params=params).result().sequences:
+            tokens = p.to_ints() + seq.tokens
+            keys, _ = sequence_features(tokens)
+            rows = keys[len(p.to_ints()) - 1 : len(tokens) - 1]
+            ls = log_softmax(student_sampler._model.forward(rows)[1])
+            lt = log_softmax(teacher_sampler._model.forward(rows)[1])
+            kls.extend((np.exp(ls) * (ls - lt)).sum(axis=-1))
     return float(np.mean(kls))
 
 

@@ -174,7 +174,8 @@ class OfflineServiceClient:
             raise ValidationError(f"rank must be in [4, 64]. Got {rank}", code="validation.invalid_lora_rank")
         _check_model(base_model)
         base = catalog.base_weights(base_model, self.options.home)
-        adapter = Adapter.fresh(base.dim, rank, seed=0 if seed is None else seed, alpha=catalog.lora_alpha(base_model))
+        alpha, row_scale = catalog.adapter_scales(base_model)
+        adapter = Adapter.fresh(base.dim, rank, seed=0 if seed is None else seed, alpha=alpha, final_row_scale=row_scale)
         return OfflineTrainingClient(self, base_model, adapter, rank=rank, seed=seed)
 
     async def create_lora_training_client_async(
@@ -206,7 +207,7 @@ class OfflineServiceClient:
         ckpt = _load_checkpoint(self.options.home, path, kind="state")
         meta = ckpt["meta"]
         base = catalog.base_weights(meta["base_model"], self.options.home)
-        adapter = Adapter(A=ckpt["A"], B=ckpt["B"], scale=float(meta["scale"]))
+        adapter = _adapter_from(ckpt)
         client = OfflineTrainingClient(self, meta["base_model"], adapter, rank=int(meta["rank"]), seed=meta.get("seed"))
         if with_optimizer:
             client._adam = _unpack_adam(ckpt)
@@ -225,7 +226,7 @@ class OfflineServiceClient:
                     "pass the base model the weights were trained from.",
                     code="validation.checkpoint_model_mismatch",
                 )
-            adapter = Adapter(A=ckpt["A"], B=ckpt["B"], scale=float(ckpt["meta"]["scale"]))
+            adapter = _adapter_from(ckpt)
         return OfflineSamplingClient(self, base_model, TinyLM(base, adapter), model_path=model_path)
 
     async def create_sampling_client_async(
@@ -272,11 +273,20 @@ def _load_checkpoint(home: Path, uri: str, kind: str) -> dict:
     return out
 
 
+ADAPTER_PARAMS = ("A", "B", "C")
+
+
+def _adapter_from(ckpt: dict) -> Adapter:
+    meta = ckpt["meta"]
+    return Adapter(A=ckpt["A"].copy(), B=ckpt["B"].copy(), C=ckpt["C"].copy(), scale=float(meta["scale"]),
+                   c_scale=float(meta["c_scale"]))
+
+
 def _unpack_adam(ckpt: dict) -> dict:
     state: dict = {}
     if "adam_step" in ckpt:
         state["step"] = int(ckpt["adam_step"])
-        for name in ("A", "B"):
+        for name in ADAPTER_PARAMS:
             state[("m", name)] = ckpt[f"adam_m_{name}"].copy()
             state[("v", name)] = ckpt[f"adam_v_{name}"].copy()
     return state
@@ -422,11 +432,12 @@ class OfflineTrainingClient:
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         a = self._model.adapter
-        meta = {"base_model": self.base_model, "rank": self.rank, "scale": a.scale, "seed": self.seed, "kind": kind}
-        arrays = {"A": a.A, "B": a.B, "meta_json": np.array(json.dumps(meta))}
+        meta = {"base_model": self.base_model, "rank": self.rank, "scale": a.scale, "c_scale": a.c_scale,
+                "seed": self.seed, "kind": kind}
+        arrays = {**a.params(), "meta_json": np.array(json.dumps(meta))}
         if with_optimizer and self._adam:
             arrays["adam_step"] = np.array(self._adam["step"])
-            for n in ("A", "B"):
+            for n in ADAPTER_PARAMS:
                 arrays[f"adam_m_{n}"] = self._adam[("m", n)]
                 arrays[f"adam_v_{n}"] = self._adam[("v", n)]
         tmp = path.with_name(path.name + ".tmp.npz")
@@ -470,7 +481,7 @@ class OfflineTrainingClient:
                 f"client trains {self.base_model!r} rank {self.rank}.",
                 code="validation.checkpoint_model_mismatch",
             )
-        self._model.adapter = Adapter(A=ckpt["A"].copy(), B=ckpt["B"].copy(), scale=float(ckpt["meta"]["scale"]))
+        self._model.adapter = _adapter_from(ckpt)
         self._grads = None
         self._adam = _unpack_adam(ckpt) if with_optimizer else {}
         return {"path": path, "optimizer_loaded": with_optimizer}

@@ -66,8 +66,12 @@ def get_offline_tokenizer():
     # transformers prints a "PyTorch was not found" advisory on import; tokenizers do not need PyTorch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import logging
+    import warnings
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # In Jupyter without ipywidgets, importing the Hugging Face stack makes tqdm warn "IProgress not found" (with an
+    # absolute path in the message); the tokenizer shows no progress bar, so the warning is noise here.
+    warnings.filterwarnings("ignore", message="IProgress not found")
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging

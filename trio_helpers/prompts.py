@@ -13,8 +13,9 @@ DEEPMATH_INSTRUCTION = "Please solve the problem step by step and put the final 
 
 # One worked example shown before the real question (a "one-shot" prefix). It demonstrates the answer format
 # (reasoning, then \boxed{...}) on a question that has nothing to do with arithmetic word problems, so it teaches
-# the format without leaking any GSM8K content. The assistant turn carries the empty think block that
-# enable_thinking=False produces, so the example looks exactly like what the model is asked to continue.
+# the format without leaking any GSM8K content. Like tutorial A's example, the answer starts with the empty think
+# block that enable_thinking=False produces; Qwen3's chat template (and the offline one) drops think blocks from
+# earlier assistant turns, so the rendered prompt shows only the text after `</think>`.
 ONE_SHOT_QUESTION = "How many times does the letter s appear in the word mississippi?"
 ONE_SHOT_ANSWER = (
     "<think>\n\n</think>\n\n"

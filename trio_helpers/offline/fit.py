@@ -68,13 +68,15 @@ def _corpus_records() -> tuple[list[dict], list[dict]]:
 
 
 def _fingerprint(spec) -> str:
-    from trio_helpers.offline import corpus, model
+    from trio_helpers import prompts
+    from trio_helpers.offline import corpus, model, tokenizer
 
     h = hashlib.sha256()
     h.update(FIT_VERSION.encode())
     h.update(json.dumps([spec.name, spec.role, spec.dim, spec.table_size, STYLE_MIX[spec.role], EPOCHS[spec.role],
                          COPIES, BATCH_TOKENS, LEARNING_RATE, EMBED_LR_MULT]).encode())
-    for source in (model.__file__, corpus.__file__, __file__):  # the feature, corpus and fitting code define them
+    # the feature, corpus, fitting, tokenizer and prompt code all shape the fitted weights
+    for source in (model.__file__, corpus.__file__, __file__, tokenizer.__file__, prompts.__file__):
         h.update(Path(source).read_bytes())
     data_dir = Path(corpus.__file__).parent / "data"
     for f in sorted(data_dir.glob("*.jsonl")):

@@ -20,11 +20,16 @@ VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)  # 261
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID, THINK_ID, END_THINK_ID = range(NUM_BYTES, VOCAB_SIZE)
 
 # A ChatML template in the shape of Qwen3's: each message is `<|im_start|>{role}\n{content}<|im_end|>\n`;
-# with add_generation_prompt the assistant header follows, and enable_thinking=False pre-fills an empty think
-# block, exactly as Qwen3 does to switch thinking off.
+# earlier assistant turns lose their think block (Qwen3 keeps only the text after `</think>` in history); with
+# add_generation_prompt the assistant header follows, and enable_thinking=False pre-fills an empty think block,
+# exactly as Qwen3 does to switch thinking off.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in message['content'] -%}"
+    "{{ '<|im_start|>assistant\\n' + message['content'].split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{ '<|im_start|>assistant\\n' }}"

@@ -10,13 +10,14 @@ solution. Like real pretraining text, the solutions end in several final-answer 
 model         ``#### N``  sentence     boxed      fitting
 ============  ==========  ===========  =========  ================================================
 student       35%         25%          40%        d = 32, 8 epochs from scratch (lr 0.05, cosine)
-teacher       3%          2%           95%        the student's weights + 2 epochs (lr 0.025, cosine)
+teacher       0%          0%           100%       the student's weights + 2 epochs (lr 0.01, cosine)
 ============  ==========  ===========  =========  ================================================
 
 Each problem appears 4 times; since the worked steps are the same in every copy, the first copy is fitted on the
 whole solution and the others on their final-answer line only. So the student writes the format the grader demands
-only some of the time (its groups are mixed); the teacher knows everything the student knows, prefers the boxed
-format and is sharper (lower loss per token), which gives on-policy distillation a positive reverse KL to shrink.
+only some of the time (its groups are mixed); the teacher knows everything the student knows, was fitted further on
+boxed answers only and is sharper (lower loss per token), which gives on-policy distillation a positive reverse KL
+to shrink, concentrated on a habit the student can learn: how to write the final answer.
 The models see the solutions of both splits while fitting, as pretrained LLMs have seen benchmark-like text; the
 book says so where it reports accuracies.
 
@@ -45,12 +46,12 @@ from trio_helpers.offline.tokenizer import IM_END_ID, VOCAB_SIZE, get_offline_to
 FIT_VERSION = "fit-v1"
 STYLE_MIX = {
     "student": {"hash": 0.35, "sentence": 0.25, "boxed": 0.40},
-    "teacher": {"hash": 0.03, "sentence": 0.02, "boxed": 0.95},
+    "teacher": {"hash": 0.0, "sentence": 0.0, "boxed": 1.0},
 }
 EPOCHS = {"student": 8, "teacher": 2}
 COPIES = 4  # copies of each problem (the later ones train the final line only)
 BATCH_TOKENS = 8192
-LEARNING_RATE = {"student": 0.05, "teacher": 0.025}  # the teacher only continues from the student
+LEARNING_RATE = {"student": 0.05, "teacher": 0.01}  # the teacher only continues from the student
 EMBED_LR_MULT = (2.0, 20.0)  # step multipliers for shared / per-question embedding rows (the latter are rare)
 
 

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--home",
         default=None,
-        help="offline home (default: $TRIO_OFFLINE_HOME or ~/.cache/trio_helpers); only fitted base models are cached "
-        "there, the benchmark writes no checkpoints",
+        help="offline home for checkpoints (default: $TRIO_OFFLINE_HOME or ~/.cache/trio_helpers); the benchmark "
+        "writes none. Fitted base models are cached under $TRIO_OFFLINE_CACHE.",
     )
     args = ap.parse_args(argv)
 

@@ -85,15 +85,10 @@ def corpus_loss(trio, training_client, tok, records, n):
 
 
 def _is_datum(trio, prompt_tokens, seq, advantages):
-    p = len(prompt_tokens)
-    return trio.Datum(
-        model_input=trio.ModelInput.from_ints(prompt_tokens + seq.tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": [0] * (p - 1) + list(seq.tokens),
-            "logprobs": [0.0] * (p - 1) + list(seq.logprobs),
-            "advantages": [0.0] * (p - 1) + list(advantages),
-        },
-    )
+    """The importance-sampling datum of chapter 03 (prompt positions masked with -100)."""
+    from trio_helpers.datums import importance_sampling_datum
+
+    return importance_sampling_datum(prompt_tokens, seq.tokens, seq.logprobs, advantages)
 
 
 def grpo(trio, svc, tok, records, steps=30, batch=8, group=4, lr=4e-5, seed=0, max_tokens=256):

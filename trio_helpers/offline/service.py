@@ -54,7 +54,7 @@ TRAINING_LIMITS = TrainingLimits(max_batch_size=None, max_tokens_per_request=Non
 
 
 def default_home() -> Path:
-    """Where checkpoints and fitted base models live: ``$TRIO_OFFLINE_HOME`` or ``~/.cache/trio_helpers``."""
+    """Where checkpoints live: ``$TRIO_OFFLINE_HOME`` or ``~/.cache/trio_helpers``."""
     return Path(os.environ.get("TRIO_OFFLINE_HOME") or Path.home() / ".cache" / "trio_helpers")
 
 
@@ -68,7 +68,7 @@ class OfflineOptions:
         fault_rate: probability that a request fails with pytrio's transient ``ActorAPIError`` (status 503,
             ``retryable=True``) before doing any work.
         seed: seeds the fault injector and the default sampling seed stream.
-        home: directory for checkpoints and cached base models.
+        home: directory for checkpoints (fitted base models are cached separately, under ``$TRIO_OFFLINE_CACHE``).
     """
 
     latency: float = 0.01

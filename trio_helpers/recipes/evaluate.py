@@ -17,6 +17,8 @@ Introduced in: chapter 07 (notebooks/07_evaluation).
 from __future__ import annotations
 
 import argparse
+
+from trio_helpers.recipes import int_at_least as _int_at_least
 import math
 import sys
 from pathlib import Path
@@ -30,20 +32,6 @@ from trio_helpers.evaluation import (
     save_records,
     summary_rows,
 )
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
 
 
 def _temperature(text: str) -> float:

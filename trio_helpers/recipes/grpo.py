@@ -15,6 +15,8 @@ Introduced in: chapter 04 (notebooks/04_grpo_sync).
 from __future__ import annotations
 
 import argparse
+
+from trio_helpers.recipes import int_at_least as _int_at_least
 import importlib
 import inspect
 import math
@@ -27,20 +29,6 @@ DEFAULT_RUN_DIR = "runs/grpo"
 
 
 # --- argument types: each names what it wants, argparse adds the flag ------------------------------------------
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
 def _lora_rank(text: str) -> int:
     value = _int_at_least(1)(text)
     if not 4 <= value <= 64:

@@ -8,7 +8,8 @@ the student's reverse KL on the states it actually visits.
 
 - scoring: :func:`teacher_completion_logprobs`, :func:`reverse_kl_advantages`, :func:`score_completion`,
   :func:`opd_datum`;
-- the loop: :class:`OPDConfig`, :func:`opd_step` (sync or async rollouts), :func:`run_opd`;
+- the loop's scorer: :class:`OPDConfig`, :class:`OPDScorer`, :func:`run_opd` (the shared loop of
+  :mod:`trio_helpers.loop`, so OPD gets GRPO's rollout modes, resume, failure handling and metric names);
 - measuring: :func:`sampled_reverse_kl` (works on any backend) and :func:`exact_reverse_kl_offline` (offline only),
   :func:`token_kl_html` (a per-token view).
 
@@ -23,15 +24,14 @@ import asyncio
 import html
 import math
 import numbers
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from trio_helpers.datums import importance_sampling_datum
-
-ROLLOUT_MODES = ("sync", "async")
+from trio_helpers.loop import LoopConfig, RunResult, run_loop
+from trio_helpers.rl import Group
 
 
 # --------------------------------------------------------------------------------------------------- scoring
@@ -214,130 +214,51 @@ def opd_datum(prompt, sequence, teacher_logprobs, coef: float = 1.0):
     return importance_sampling_datum(prompt, sequence.tokens, sequence.logprobs, advantages)
 
 
-# --------------------------------------------------------------------------------------------------- config
+# --------------------------------------------------------------------------------------------------- the scorer
 @dataclass
-class OPDConfig:
-    """Settings of an on-policy distillation run (tutorial B's flags and defaults).
+class OPDConfig(LoopConfig):
+    """Settings of an on-policy distillation run: the loop's (:class:`trio_helpers.loop.LoopConfig`) plus the
+    teacher's. Defaults follow the *On-Policy Distillation* example (batch 2 x group 2, lr 4e-5, coef 1).
 
     Attributes:
-        base_model: the student (LoRA-trained).
         teacher_base_model: the teacher's base model.
         teacher_model_path: optional sampler weights of a fine-tuned teacher (``save_weights_for_sampler(...).path``).
-        lora_rank: LoRA rank of the student (4..64).
-        steps: training steps (>= 1).
-        batch_size: prompts per step (>= 1).
-        group_size: completions per prompt (>= 1).
-        max_tokens: most tokens per completion (>= 1).
-        temperature, top_p, top_k: student sampling parameters (the per-token KL estimate uses the logprobs of the
-            distribution actually sampled from, so keep them at 1.0 / 1.0 / -1 for an unbiased reverse KL).
-        seed: seeds the LoRA initialisation and, per (step, prompt), the sampler.
-        learning_rate, beta1, beta2: Adam settings.
         kl_penalty_coef: the advantage is ``-kl_penalty_coef * (student_lp - teacher_lp)`` (> 0).
-        sampler_refresh_steps: rebuild the student sampler from the current weights every this many steps (>= 1);
-            1 = every step (fully on-policy), k = samples come from weights up to k - 1 updates old.
         enable_thinking: render prompts with the chat template's thinking switch on.
-        rollout: ``"sync"`` (one request after another) or ``"async"`` (prompts concurrent, a prompt's teacher
-            scoring concurrent, at most ``max_concurrency`` requests in flight).
-        max_concurrency: async only (>= 1).
-        weights_name: save the final weights for a sampler under this name (``None``: do not save).
+
+    The per-token KL estimate uses the logprobs of the distribution actually sampled from, so keep
+    ``temperature``/``top_p``/``top_k`` at 1.0 / 1.0 / -1 for an unbiased reverse KL.
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
 
-    base_model: str = "Qwen/Qwen3.5-4B"
-    teacher_base_model: str = "Qwen/Qwen3.6-27B"
-    teacher_model_path: str | None = None
-    lora_rank: int = 32
-    steps: int = 10
     batch_size: int = 2
     group_size: int = 2
-    max_tokens: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 42
-    learning_rate: float = 4e-5
-    beta1: float = 0.9
-    beta2: float = 0.95
-    kl_penalty_coef: float = 1.0
-    sampler_refresh_steps: int = 1
-    enable_thinking: bool = False
-    rollout: str = "sync"
-    max_concurrency: int = 8
     weights_name: str | None = "final"
+    teacher_base_model: str = "Qwen/Qwen3.6-27B"
+    teacher_model_path: str | None = None
+    kl_penalty_coef: float = 1.0
+    enable_thinking: bool = False
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field that is out of range, its value and what it must be.
+        """The loop's checks plus the teacher's settings; raises ``ValueError`` naming the field.
 
         Introduced in: chapter 06 (notebooks/06_opd).
         """
-        for name in ("steps", "batch_size", "group_size", "max_tokens", "sampler_refresh_steps", "max_concurrency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, numbers.Integral) or not (
-            4 <= self.lora_rank <= 64
-        ):
-            raise ValueError(f"lora_rank must be an integer from 4 to 64 (PyTRIO's range), got {self.lora_rank!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        for name in ("learning_rate", "kl_penalty_coef", "temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or not 0 <= value < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-        if not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or (
-            self.top_k != -1 and self.top_k < 1
-        ):
-            raise ValueError(f"top_k must be -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
-        if self.rollout not in ROLLOUT_MODES:
-            raise ValueError(f"rollout must be one of {ROLLOUT_MODES}, got {self.rollout!r}")
-        for name in ("base_model", "teacher_base_model"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty model name, got {getattr(self, name)!r}")
-
-
-def batch_for_step(records: Sequence[dict], step: int, batch_size: int) -> list[dict]:
-    """The records of one step: ``batch_size`` consecutive records, wrapping around the end of the data.
-
-    Raises:
-        ValueError: no records, or ``batch_size < 1``.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    if not records:
-        raise ValueError("records is empty: load some prompts first (trio_helpers.data.load_deepmath)")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    return [records[(step * batch_size + i) % len(records)] for i in range(batch_size)]
-
-
-def sampling_params_for(config: OPDConfig, step: int, index: int, stop=None):
-    """``SamplingParams`` of prompt ``index`` at ``step``: the config's settings, a seed fixed by (seed, step, index).
-
-    The per-request seed makes a run reproducible whatever order concurrent requests finish in.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    from pytrio import SamplingParams
-
-    return SamplingParams(
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        seed=config.seed * 1_000_003 + step * 1_000 + index,
-        stop=stop,
-    )
+        super().validate()
+        coef = self.kl_penalty_coef
+        if isinstance(coef, bool) or not isinstance(coef, numbers.Real) or not math.isfinite(coef) or coef <= 0:
+            raise ValueError(f"kl_penalty_coef must be a finite number > 0, got {coef!r}")
+        if not isinstance(self.teacher_base_model, str) or not self.teacher_base_model.strip():
+            raise ValueError(f"teacher_base_model must be a model name, got {self.teacher_base_model!r}")
+        if self.teacher_model_path is not None and (not isinstance(self.teacher_model_path, str)
+                                                    or not self.teacher_model_path.strip()):
+            raise ValueError(f"teacher_model_path must be a saved sampler path or None, got "
+                             f"{self.teacher_model_path!r}")
 
 
 def opd_prompt(tokenizer, record: dict, enable_thinking: bool = False):
-    """The distillation prompt of a record (``question`` + tutorial B's instruction, chat template).
+    """The distillation prompt of a record (``question`` + the *On-Policy Distillation* example's instruction).
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
@@ -348,351 +269,108 @@ def opd_prompt(tokenizer, record: dict, enable_thinking: bool = False):
     return build_prompt(tokenizer, deepmath_messages(record["question"]), enable_thinking=enable_thinking)
 
 
-# --------------------------------------------------------------------------------------------------- rollouts
-@dataclass
-class Rollout:
-    """One scored completion: the prompt, the student's sequence, the teacher's logprobs of its tokens.
+def teacher_kl(group) -> np.ndarray:
+    """Per-token sampled reverse-KL estimates ``student_lp - teacher_lp`` of a scored OPD group, concatenated.
+
+    Introduced in: chapter 06 (notebooks/06_opd).
+    """
+    return np.concatenate([np.asarray(s.logprobs, dtype=np.float64) - np.asarray(t)
+                           for s, t in zip(group.sequences, group.extras["teacher_logprobs"])])
+
+
+class OPDScorer:
+    """The loop's distillation scorer: the teacher scores every sampled token; advantage ``-coef * k``.
+
+    One ``compute_logprobs`` request per completion (through the loop's limiter, so concurrent with ``"async"``).
+    Empty completions are dropped (there is nothing to score). ``setup`` creates the teacher's sampling client
+    unless one is given.
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
 
-    prompt_index: int
-    prompt: object  # pytrio.ModelInput
-    sequence: object  # pytrio.SampleSequence
-    teacher_logprobs: list[float]
+    name = "opd"
+    headline = {"kl/teacher_mean": "kl"}
+    skip_degenerate = False
+    require_datums = True  # the *On-Policy Distillation* example raises if a step produced no datums
 
-    @property
-    def reverse_kl(self) -> np.ndarray:
-        """Per-token sampled reverse-KL estimate ``student_lp - teacher_lp`` (float64 array).
+    def __init__(self, config: OPDConfig, teacher=None) -> None:
+        self.config = config
+        self.teacher = teacher
 
-        Introduced in: chapter 06 (notebooks/06_opd).
-        """
-        return np.asarray(self.sequence.logprobs, dtype=np.float64) - np.asarray(self.teacher_logprobs)
-
-
-def collect_rollouts(sampler, teacher, prompts: Sequence, group_size: int, params_for: Callable[[int], object]):
-    """Sample each prompt's group, then score every completion with the teacher, one request after another.
-
-    Args:
-        sampler: the student's ``SamplingClient``.
-        teacher: the teacher's ``SamplingClient``.
-        prompts: ``ModelInput`` prompts.
-        group_size: completions per prompt.
-        params_for: ``params_for(i)`` gives prompt ``i``'s ``SamplingParams``.
-
-    Returns:
-        ``list[Rollout]`` in prompt order, then sample order; empty completions are left out.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    out = []
-    for i, prompt in enumerate(prompts):
-        response = sampler.sample(prompt, num_samples=group_size, sampling_params=params_for(i)).result()
-        for seq in response.sequences:
-            if seq.tokens:
-                out.append(Rollout(i, prompt, seq, score_completion(teacher, prompt, seq)))
-    return out
-
-
-async def collect_rollouts_async(sampler, teacher, prompts: Sequence, group_size: int,
-                                 params_for: Callable[[int], object], max_concurrency: int = 8, retries=None):
-    """:func:`collect_rollouts` with every prompt in flight at once and a prompt's completions scored concurrently.
-
-    One ``asyncio.Semaphore(max_concurrency)`` bounds the requests in flight (sampling and scoring alike); each
-    request holds a slot only while it runs, so a prompt waiting for its scores never blocks another's request.
-    Results come back in the same order as :func:`collect_rollouts` (prompt order, then sample order), and with
-    per-request seeds they are the same rollouts.
-
-    Raises:
-        ValueError: ``max_concurrency < 1``.
-        Exception: the first error of any request (after retries), the others cancelled.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    from trio_helpers.rollouts import with_retries
-
-    if not isinstance(max_concurrency, int) or max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
-    limit = asyncio.Semaphore(max_concurrency)
-
-    async def bounded(make_call, what):
-        async with limit:
-            return await with_retries(make_call, retries, what=what)
-
-    async def score(prompt, seq):
-        p, c = _prompt_tokens(prompt), list(seq.tokens)
-        full = await bounded(lambda: teacher.compute_logprobs_async(_model_input(p + c)), "teacher compute_logprobs")
-        return teacher_completion_logprobs(full, len(p), len(c))
-
-    async def one(i: int, prompt) -> list[Rollout]:
-        params = params_for(i)
-        response = await bounded(
-            lambda: sampler.sample_async(prompt, num_samples=group_size, sampling_params=params), f"sample (prompt {i})"
-        )
-        seqs = [s for s in response.sequences if s.tokens]
-        scores = await asyncio.gather(*(score(prompt, s) for s in seqs))
-        return [Rollout(i, prompt, s, lp) for s, lp in zip(seqs, scores)]
-
-    tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-    try:
-        groups = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    return [r for group in groups for r in group]
-
-
-def rollout_metrics(rollouts: Sequence[Rollout], max_tokens: int) -> dict[str, float]:
-    """Reverse-KL and length statistics of a step's rollouts.
-
-    Returns:
-        ``reverse_kl_mean`` / ``reverse_kl_std`` (over all completion tokens of the step), ``reverse_kl_seq_mean``
-        (mean over completions of the summed per-token estimate: the sequence-level reverse KL),
-        ``completion_tokens_mean``, ``completion_tokens_total``, ``frac_max_tokens``.
-
-    Raises:
-        ValueError: no rollouts.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    if not rollouts:
-        raise ValueError("no rollouts: every completion was empty")
-    per_token = np.concatenate([r.reverse_kl for r in rollouts])
-    lengths = np.array([len(r.sequence.tokens) for r in rollouts])
-    return {
-        "reverse_kl_mean": float(per_token.mean()),
-        "reverse_kl_std": float(per_token.std()),
-        "reverse_kl_seq_mean": float(np.mean([r.reverse_kl.sum() for r in rollouts])),
-        "completion_tokens_mean": float(lengths.mean()),
-        "completion_tokens_total": float(lengths.sum()),
-        "frac_max_tokens": float(np.mean(lengths >= max_tokens)),
-    }
-
-
-# --------------------------------------------------------------------------------------------------- the loop
-@dataclass
-class StepOutput:
-    """What one OPD step did: its metrics, its rollouts, the datums it trained on and the sampler it used.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-
-    step: int
-    metrics: dict[str, float]
-    rollouts: list[Rollout]
-    datums: list
-    sampler: object = None
-
-
-def _policy_lag(datums, fb_output) -> float:
-    """Mean |trainer logprob - sampler logprob| over the trained tokens (0 when the sampler is fresh)."""
-    diffs = []
-    for d, out in zip(datums, getattr(fb_output, "loss_fn_outputs", None) or []):
-        lp = out.get("logprobs") if isinstance(out, dict) else None
-        if lp is None:
-            return float("nan")
-        new = lp.to_numpy() if hasattr(lp, "to_numpy") else np.asarray(lp)
-        old = d.loss_fn_inputs["logprobs"].to_numpy()
-        mask = d.loss_fn_inputs["target_tokens"].to_numpy() != -100
-        diffs.append(np.abs(new[mask] - old[mask]))
-    return float(np.concatenate(diffs).mean()) if diffs else float("nan")
-
-
-def train_on_rollouts(training_client, rollouts: Sequence[Rollout], config: OPDConfig, adam_params, step: int = 0):
-    """Build the step's datums and submit ``forward_backward`` and ``optim_step`` back to back.
-
-    Returns:
-        ``(datums, metrics)``: ``datums``, ``loss`` (the importance-sampling loss, which at a fresh sampler equals
-        ``kl_penalty_coef`` times the step's mean sampled reverse KL), ``policy_lag`` and the optimizer's metrics
-        prefixed ``optim/``.
-
-    Raises:
-        RuntimeError: the step produced no datums (nothing would be trained).
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    data = [opd_datum(r.prompt, r.sequence, r.teacher_logprobs, config.kl_penalty_coef) for r in rollouts]
-    if not data:
-        raise RuntimeError(
-            f"step {step} produced no datums (every completion was empty); check max_tokens "
-            f"({config.max_tokens}) and the stop tokens"
-        )
-    fb = training_client.forward_backward(data, "importance_sampling")
-    opt = training_client.optim_step(adam_params)  # submitted before waiting: both run back to back
-    out = fb.result()
-    metrics = {"datums": float(len(data)), "loss": float(out.metrics["loss_mean"]),
-               "policy_lag": _policy_lag(data, out)}
-    for k, v in opt.result().metrics.items():
-        metrics[f"optim/{k}"] = float(v)
-    return data, metrics
-
-
-def opd_step(training_client, teacher, sampler, records: Sequence[dict], config: OPDConfig, step: int, tokenizer,
-             adam_params, stop=None, sampler_age: int = 0) -> StepOutput:
-    """One OPD step: sample the batch with ``sampler``, score with ``teacher``, train once.
-
-    Args:
-        training_client: the student's ``TrainingClient``.
-        teacher: the teacher's ``SamplingClient``.
-        sampler: the student's current ``SamplingClient`` (refreshed by the caller).
-        records: this step's records (``question`` fields).
-        config: the run's :class:`OPDConfig` (``rollout`` chooses sync or async).
-        step: the step number (seeds the sampling).
-        tokenizer: renders the prompts.
-        adam_params: ``pytrio.AdamParams``.
-        stop: stop token ids for sampling.
-        sampler_age: optimizer steps since ``sampler`` was saved (logged as ``sampler_age``).
-
-    Returns:
-        :class:`StepOutput`. Its metrics hold the rollout and training metrics plus ``step``, ``sampler_age``,
-        ``lr``, and wall-clock ``rollout_time``, ``step_time`` and ``completion_tokens_per_s`` (keep these out of
-        compared outputs).
-
-    Raises:
-        RuntimeError: the step produced no datums.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    t0 = time.perf_counter()
-    prompts = [opd_prompt(tokenizer, r, config.enable_thinking) for r in records]
-
-    def params_for(i):
-        return sampling_params_for(config, step, i, stop)
-
-    if config.rollout == "async":
-        from trio_helpers.rollouts import run_sync
-
-        rollouts = run_sync(collect_rollouts_async(sampler, teacher, prompts, config.group_size, params_for,
-                                                   config.max_concurrency))
-    else:
-        rollouts = collect_rollouts(sampler, teacher, prompts, config.group_size, params_for)
-    t1 = time.perf_counter()
-    if not rollouts:
-        raise RuntimeError(f"step {step} produced no datums: every completion was empty")
-    metrics: dict[str, float] = {"step": float(step), "sampler_age": float(sampler_age)}
-    metrics.update(rollout_metrics(rollouts, config.max_tokens))
-    datums, train_metrics = train_on_rollouts(training_client, rollouts, config, adam_params, step)
-    metrics.update(train_metrics)
-    metrics["lr"] = float(adam_params.learning_rate)
-    t2 = time.perf_counter()
-    metrics["rollout_time"] = t1 - t0
-    metrics["step_time"] = t2 - t0
-    metrics["completion_tokens_per_s"] = metrics["completion_tokens_total"] / max(t1 - t0, 1e-9)
-    return StepOutput(step, metrics, rollouts, datums, sampler)
-
-
-TIMING_KEYS = ("rollout_time", "step_time", "completion_tokens_per_s")
-"""Wall-clock metrics of :func:`opd_step`: they vary from run to run (never print them in compared outputs)."""
-
-
-@dataclass
-class OPDResult:
-    """A finished run: per-step metrics, the final weights' path, and the clients to keep using.
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-
-    history: list[dict] = field(default_factory=list)
-    final_path: str | None = None
-    training_client: object = None
-    teacher: object = None
-    config: OPDConfig | None = None
-
-    def series(self, key: str) -> np.ndarray:
-        """One metric over the steps as a float64 array, e.g. ``result.series("reverse_kl_mean")``.
+    def check_records(self, records: Sequence[dict]) -> None:
+        """Every record needs a non-empty ``question``.
 
         Raises:
-            KeyError: no step logged that metric.
-
-        Introduced in: chapter 06 (notebooks/06_opd).
+            ValueError: naming the first bad record (its index).
         """
-        return np.array([h[key] for h in self.history], dtype=np.float64)
+        for i, record in enumerate(records):
+            if not isinstance(record, dict) or not isinstance(record.get("question"), str) \
+                    or not record["question"].strip():
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(f"record {i} has no 'question' text ({keys}); distillation prompts need it "
+                                 "(trio_helpers.data.load_deepmath)")
+
+    def setup(self, service) -> None:
+        """Create the teacher's sampling client (once)."""
+        if self.teacher is None:
+            self.teacher = service.create_sampling_client(self.config.teacher_base_model,
+                                                          model_path=self.config.teacher_model_path)
+
+    def prompt(self, tokenizer, record: dict):
+        """The distillation chat prompt (:func:`opd_prompt`)."""
+        return opd_prompt(tokenizer, record, self.config.enable_thinking)
+
+    async def score(self, index: int, prompt, record: dict, sequences: list, limiter):
+        """Teacher logprobs of every non-empty completion, then ``-coef * (student_lp - teacher_lp)``."""
+        p = _prompt_tokens(prompt)
+        kept = [s for s in sequences if s.tokens]
+
+        async def teacher_lp(seq):
+            full = await limiter.call(lambda: self.teacher.compute_logprobs_async(_model_input(p + list(seq.tokens))),
+                                      what="teacher compute_logprobs", index=index)
+            return teacher_completion_logprobs(full, len(p), len(seq.tokens))
+
+        scored = await asyncio.gather(*(teacher_lp(s) for s in kept))
+        advantages = [reverse_kl_advantages(s.logprobs, t, self.config.kl_penalty_coef) for s, t in zip(kept, scored)]
+        return Group(index, prompt, kept, None, advantages, {"teacher_logprobs": list(scored)})
+
+    def metrics(self, groups: Sequence) -> dict:
+        """``kl/teacher_mean``, ``kl/teacher_std`` (over tokens) and ``kl/teacher_seq_mean`` (per completion)."""
+        kept = [g for g in groups if g.sequences]
+        if not kept:
+            nan = float("nan")
+            return {"kl/teacher_mean": nan, "kl/teacher_std": nan, "kl/teacher_seq_mean": nan}
+        per_token = np.concatenate([teacher_kl(g) for g in kept])
+        per_seq = [float(np.sum(np.asarray(s.logprobs) - np.asarray(t)))
+                   for g in kept for s, t in zip(g.sequences, g.extras["teacher_logprobs"])]
+        return {"kl/teacher_mean": float(per_token.mean()), "kl/teacher_std": float(per_token.std()),
+                "kl/teacher_seq_mean": float(np.mean(per_seq))}
 
 
-def format_step(metrics: dict, timing: bool = False) -> str:
-    """A one-line summary of a step's metrics (wall-clock numbers only when ``timing``).
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    line = (f"step {int(metrics['step']):>3}  reverse_kl {metrics['reverse_kl_mean']:.4f} "
-            f"(std {metrics['reverse_kl_std']:.3f})  loss {metrics['loss']:.4f}  datums {int(metrics['datums'])}  "
-            f"tokens {metrics['completion_tokens_mean']:.0f}/completion  sampler_age {int(metrics['sampler_age'])}")
-    if timing:
-        line += f"  step_time {metrics['step_time']:.2f}s  {metrics['completion_tokens_per_s']:.0f} tok/s"
-    return line
-
-
-def run_opd(service, records: Sequence[dict], config: OPDConfig, logger=None,
-            on_step: Callable[[StepOutput], None] | None = None, training_client=None, teacher=None,
-            print_every: int = 0, timing: bool = False) -> OPDResult:
-    """Distil the teacher into the student for ``config.steps`` steps (the chapter's loop and the recipe's).
-
-    Per step: refresh the student's sampler if ``step % sampler_refresh_steps == 0``; take ``batch_size`` records
-    (:func:`batch_for_step`); sample ``group_size`` completions each; score them with the teacher; train once on
-    the per-token reverse-KL advantages. At the end, save the weights for a sampler (``config.weights_name``).
+def run_opd(service, records: Sequence[dict], config: OPDConfig, logger=None, resume: bool = False,
+            progress: bool = False, *, teacher=None, **loop_options) -> RunResult:
+    """Distil the teacher into the student: the training loop (:func:`trio_helpers.loop.run_loop`) with
+    :class:`OPDScorer`.
 
     Args:
         service: a service client (``trio_helpers.connect()``).
         records: prompt records with a ``question`` field (``trio_helpers.data.load_deepmath``).
-        config: :class:`OPDConfig` (validated here).
-        logger: optional object with ``log(step, metrics)`` (e.g. ``trio_helpers.tracking.MetricsLogger``).
-        on_step: optional callback receiving each :class:`StepOutput` (rollouts and datums included).
-        training_client: continue training this client instead of creating a fresh LoRA client.
+        config: :class:`OPDConfig` (validated first).
+        logger, resume, progress: as in :func:`trio_helpers.loop.run_loop`.
         teacher: use this teacher ``SamplingClient`` instead of creating one from the config.
-        print_every: print :func:`format_step` every this many steps (0: never).
-        timing: include wall-clock numbers in the printed lines.
+        **loop_options: ``on_step``, ``on_event``, ``retries``, ``training_client``, ``print_every``.
 
     Returns:
-        :class:`OPDResult` (history of metric dicts, final sampler path or ``None``, the clients).
+        :class:`trio_helpers.loop.RunResult` (``result.scorer.teacher`` is the teacher).
 
     Raises:
-        ValueError: an invalid config or no records.
-        RuntimeError: a step produced no datums.
+        ValueError: an invalid config or records; RuntimeError: a step produced no datums; RunStopped: a service
+            call failed for good.
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
-    from pytrio import AdamParams
-
-    from trio_helpers.prompts import stop_token_ids
-
-    config.validate()
-    if not records:
-        raise ValueError("records is empty: load some prompts first (trio_helpers.data.load_deepmath)")
-    if training_client is None:
-        training_client = service.create_lora_training_client(config.base_model, rank=config.lora_rank,
-                                                               seed=config.seed)
-    if teacher is None:
-        teacher = service.create_sampling_client(config.teacher_base_model, model_path=config.teacher_model_path)
-    tokenizer = training_client.get_tokenizer()
-    stop = stop_token_ids(tokenizer)
-    adam = AdamParams(learning_rate=config.learning_rate, beta1=config.beta1, beta2=config.beta2)
-    result = OPDResult(training_client=training_client, teacher=teacher, config=config)
-    sampler, refreshed_at = None, 0
-    for step in range(config.steps):
-        if step % config.sampler_refresh_steps == 0:
-            sampler, refreshed_at = training_client.save_weights_and_get_sampling_client(), step
-        out = opd_step(training_client, teacher, sampler, batch_for_step(records, step, config.batch_size), config,
-                       step, tokenizer, adam, stop=stop, sampler_age=step - refreshed_at)
-        result.history.append(out.metrics)
-        if logger is not None:
-            logger.log(step, out.metrics)
-        if on_step is not None:
-            on_step(out)
-        if print_every and (step % print_every == 0 or step == config.steps - 1):
-            print(format_step(out.metrics, timing=timing))
-    if config.weights_name:
-        result.final_path = training_client.save_weights_for_sampler(config.weights_name).result().path
-    return result
-
-
-def config_dict(config: OPDConfig) -> dict:
-    """The config as a plain dict (for loggers and run records).
-
-    Introduced in: chapter 06 (notebooks/06_opd).
-    """
-    return asdict(config)
+    return run_loop(service, records, config, OPDScorer(config, teacher), logger=logger, resume=resume,
+                    progress=progress, **loop_options)
 
 
 # --------------------------------------------------------------------------------------------------- measuring
@@ -812,10 +490,10 @@ def exact_reverse_kl_offline(student_sampler, teacher_sampler, prompts: Sequence
     return _exact_kl_of(student_sampler, teacher_sampler, pairs)
 
 
-def exact_rollout_kl_offline(student_sampler, teacher_sampler, rollouts: Sequence[Rollout]) -> dict[str, float]:
-    """OFFLINE ONLY: the exact reverse KL at the positions of given rollouts (no new samples).
+def exact_rollout_kl_offline(student_sampler, teacher_sampler, groups: Sequence) -> dict[str, float]:
+    """OFFLINE ONLY: the exact reverse KL at the positions of given scored groups (no new samples).
 
-    With the sampler the rollouts came from (``StepOutput.sampler``) this is the on-policy reverse KL of those
+    With the sampler the groups came from (``StepOutput.sampler``) this is the on-policy reverse KL of those
     samples. With another sampler it is that model's KL at the *same* states: e.g. a trained student measured on the
     untrained student's samples, a comparison free of sampling noise. Otherwise as :func:`exact_reverse_kl_offline`.
 
@@ -825,7 +503,7 @@ def exact_rollout_kl_offline(student_sampler, teacher_sampler, rollouts: Sequenc
     Introduced in: chapter 06 (notebooks/06_opd).
     """
     _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
-    pairs = [(_prompt_tokens(r.prompt), list(r.sequence.tokens)) for r in rollouts]
+    pairs = [(_prompt_tokens(g.prompt), list(s.tokens)) for g in groups for s in g.sequences]
     return _exact_kl_of(student_sampler, teacher_sampler, pairs)
 
 

@@ -1,10 +1,11 @@
-"""GRPO building blocks: group-relative advantages, degenerate groups, rollouts and one training step.
+"""RL building blocks: group-relative advantages, degenerate groups, datums of a step and one training call.
 
 Every function takes and returns PyTRIO's own types (``ModelInput``, ``SamplingParams``, ``SampleSequence``,
 ``Datum``, ``AdamParams``), so the same code runs on the offline backend and on the real service.
 
-Introduced in: chapter 04 (notebooks/04_grpo_sync); the async variants are in :mod:`trio_helpers.rollouts`
-(chapter 05).
+The training loop that strings them together is :mod:`trio_helpers.loop`.
+
+Introduced in: chapter 04 (notebooks/04_grpo_sync).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def group_advantages(rewards: Sequence[float], normalize: str = "mean", eps: flo
 
     Args:
         rewards: one reward per completion of the same prompt.
-        normalize: ``"mean"`` subtracts the group mean (tutorial A); ``"std"`` also divides by the group's standard
-            deviation plus ``eps`` (tutorial C, DeepSeekMath's GRPO).
+        normalize: ``"mean"`` subtracts the group mean (the *GRPO* example); ``"std"`` also divides by the group's
+            standard deviation plus ``eps`` (the *GSM8K* example, DeepSeekMath's GRPO).
 
     Returns:
         float64 array, same length as ``rewards``; all zeros when every reward is equal (a degenerate group).
@@ -83,7 +84,7 @@ def prob_degenerate(p: float, group_size: int) -> float:
 
 
 def cosine_lr(step: int, total_steps: int, base_lr: float, min_ratio: float = 0.0) -> float:
-    """Cosine decay from ``base_lr`` at step 0 to ``min_ratio * base_lr`` at ``total_steps`` (tutorial C's schedule).
+    """Cosine decay from ``base_lr`` at step 0 to ``min_ratio * base_lr`` at ``total_steps`` (the *GSM8K* example's schedule).
 
     Args:
         step: 0-based step index (clipped to [0, total_steps]).
@@ -107,13 +108,16 @@ def cosine_lr(step: int, total_steps: int, base_lr: float, min_ratio: float = 0.
 
 @dataclass
 class Group:
-    """One prompt's rollouts: the prompt, its sampled completions, their rewards and advantages.
+    """One prompt's rollouts: the prompt, its sampled completions and the signal each completion trains on.
 
     Attributes:
         index: the prompt's position in the step's batch.
         prompt: the ``pytrio.ModelInput`` that was sampled from.
         sequences: the ``SampleSequence`` objects (tokens, logprobs, text) of its completions.
-        rewards, advantages: one float per completion.
+        rewards: one float per completion (GRPO), or ``None`` when the signal is not a reward (distillation).
+        advantages: per completion, one number (GRPO: the same for every token) or one per completion token
+            (distillation).
+        extras: what a scorer wants to keep with the group (e.g. the teacher's logprobs).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -121,13 +125,16 @@ class Group:
     index: int
     prompt: object  # pytrio.ModelInput
     sequences: list  # list[pytrio.SampleSequence]
-    rewards: np.ndarray
-    advantages: np.ndarray
+    rewards: np.ndarray | None
+    advantages: Sequence  # floats, or one array per completion
+    extras: dict = field(default_factory=dict)
 
     @property
     def degenerate(self) -> bool:
-        """All rewards equal (so all advantages are 0): the group has nothing to teach."""
-        return is_degenerate(self.rewards)
+        """Nothing to teach: all rewards equal (so all advantages are 0), or, without rewards, all advantages 0."""
+        if self.rewards is not None:
+            return is_degenerate(self.rewards)
+        return all(not np.any(np.asarray(a, dtype=np.float64)) for a in self.advantages)
 
 
 def make_group(index: int, prompt, sequences, reward_fn: Callable[[str], float], normalize: str = "mean") -> Group:
@@ -156,13 +163,13 @@ def group_datums(group: Group, skip_degenerate: bool = True) -> list:
     """``importance_sampling`` datums for a group (none for a degenerate group when ``skip_degenerate``).
 
     Args:
-        group: a graded group (:func:`make_group`).
-        skip_degenerate: return no datums when every advantage is zero (they would add nothing to the gradient
-            but still be sent, processed and counted as training tokens).
+        group: a scored group (:func:`make_group`, or a distillation scorer's).
+        skip_degenerate: return no datums when the group has nothing to teach (they would add nothing to the
+            gradient but still be sent, processed and counted as training tokens).
 
     Returns:
         One ``pytrio.Datum`` per completion with at least one token (chapter 03's layout: prompt positions masked
-        with ``-100``, the completion's tokens carrying the sampler's logprobs and the completion's advantage).
+        with ``-100``, the completion's tokens carrying the sampler's logprobs and the completion's advantages).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -170,7 +177,7 @@ def group_datums(group: Group, skip_degenerate: bool = True) -> list:
         return []
     prompt = group.prompt.to_ints()
     return [
-        importance_sampling_datum(prompt, s.tokens, s.logprobs, float(a))
+        importance_sampling_datum(prompt, s.tokens, s.logprobs, a if np.ndim(a) else float(a))
         for s, a in zip(group.sequences, group.advantages)
         if len(s.tokens) > 0
     ]
@@ -217,81 +224,127 @@ def sample_groups(sampler, prompts: Sequence, group_size: int, sampling_params_f
     ]
 
 
-@dataclass
-class StepResult:
-    """What one GRPO step did: its ``metrics`` (every key is explained in chapter 04) and its graded ``groups``.
+def ratio_metrics(data: Sequence, fb_output) -> dict[str, float]:
+    """How far the trainer's logprobs are from the sampler's, over the trained (non-masked) tokens.
+
+    ``forward_backward`` returns the trainer's logprob of every target (``loss_fn_outputs[i]["logprobs"]``,
+    computed before the update); the datums carry the sampler's. Their difference is the policy lag (zero for a
+    fresh sampler with identical numerics) and ``exp`` of it the importance ratio.
+
+    Returns:
+        ``train/ratio_mean``, ``train/ratio_max`` and ``train/policy_lag`` (mean absolute logprob difference);
+        NaN when the output carries no logprobs.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
-
-    metrics: dict[str, float] = field(default_factory=dict)
-    groups: list = field(default_factory=list)
+    gaps = []
+    for d, out in zip(data, getattr(fb_output, "loss_fn_outputs", None) or []):
+        lp = out.get("logprobs") if isinstance(out, dict) else None
+        if lp is None:
+            break
+        new = lp.to_numpy() if hasattr(lp, "to_numpy") else np.asarray(lp)
+        old = d.loss_fn_inputs["logprobs"].to_numpy()
+        mask = d.loss_fn_inputs["target_tokens"].to_numpy() != -100
+        gaps.append(np.asarray(new, dtype=np.float64)[mask] - old[mask])
+    if not gaps or len(gaps) != len(data):
+        nan = float("nan")
+        return {"train/ratio_mean": nan, "train/ratio_max": nan, "train/policy_lag": nan}
+    gap = np.concatenate(gaps)
+    ratio = np.exp(gap)
+    return {"train/ratio_mean": float(ratio.mean()), "train/ratio_max": float(ratio.max()),
+            "train/policy_lag": float(np.abs(gap).mean())}
 
 
 def train_on_groups(
     training_client, groups: Sequence[Group], adam_params, skip_degenerate: bool = True,
-    loss_fn: str = "importance_sampling",
+    loss_fn: str = "importance_sampling", loss_fn_config: dict | None = None,
 ) -> dict:
-    """Build the step's datums and submit ``forward_backward`` and ``optim_step`` back to back, then wait for both.
+    """Build the step's datums, run ``forward_backward``, and only once it succeeded, ``optim_step``.
+
+    Waiting for ``forward_backward`` before submitting ``optim_step`` costs one round trip per step, and buys
+    this: if ``forward_backward`` fails (after pytrio's own retries), no optimizer step is queued behind it that
+    could move the weights without this step's gradients. Chapter 05 measures the cost.
 
     Args:
         training_client: a ``TrainingClient`` (real or offline).
-        groups: the step's graded groups.
+        groups: the step's scored groups.
         adam_params: ``pytrio.AdamParams`` of this step (its ``learning_rate`` may follow a schedule).
         skip_degenerate: leave degenerate groups out (see :func:`group_datums`).
-        loss_fn: the policy-gradient loss (``"importance_sampling"``; ``"ppo"`` adds clipping).
+        loss_fn: the policy-gradient loss (``"importance_sampling"``; chapter 08 compares the others).
+        loss_fn_config: passed to ``forward_backward`` unchanged (e.g. clip bounds).
 
     Returns:
-        The step's training metrics: ``datums`` sent, ``train_tokens`` (model-input tokens sent),
-        ``train_tokens_skipped`` (tokens the skipped degenerate groups would have added), ``loss`` (the trainer's
-        ``loss_mean``; NaN when nothing was sent) and the optimizer's metrics prefixed ``optim/``. With no datums
-        (every group degenerate) nothing is sent and the weights do not change.
+        The step's training metrics: ``train/datums`` sent, ``train/tokens`` (model-input tokens sent),
+        ``train/tokens_skipped`` (tokens the skipped degenerate groups would have added), ``train/loss`` (the
+        trainer's ``loss_mean``; NaN when nothing was sent), :func:`ratio_metrics` and the optimizer's metrics
+        prefixed ``optim/``. With no datums (every group degenerate) nothing is sent and the weights stay.
+
+    Raises:
+        pytrio.errors.base.PyTrioError: a training call failed after pytrio's retries (no optimizer step was sent
+            if ``forward_backward`` failed).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     data = step_datums(groups, skip_degenerate)
     skipped = sum(datum_tokens(g) for g in groups if skip_degenerate and g.degenerate)
     metrics: dict[str, float] = {
-        "datums": float(len(data)),
-        "train_tokens": float(sum(len(d.model_input) for d in data)),
-        "train_tokens_skipped": float(skipped),
+        "train/datums": float(len(data)),
+        "train/tokens": float(sum(len(d.model_input) for d in data)),
+        "train/tokens_skipped": float(skipped),
     }
     if not data:
-        metrics["loss"] = float("nan")
+        metrics["train/loss"] = float("nan")
         return metrics
-    fb = training_client.forward_backward(data, loss_fn)
-    opt = training_client.optim_step(adam_params)  # submitted before waiting: both run back to back
-    out = fb.result()
-    metrics["loss"] = float(out.metrics.get("loss_mean", float("nan")))
-    for k, v in (opt.result().metrics or {}).items():
+    out = training_client.forward_backward(data, loss_fn, loss_fn_config).result()
+    metrics["train/loss"] = float(out.metrics.get("loss_mean", float("nan")))
+    metrics.update(ratio_metrics(data, out))
+    optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded
+    for k, v in (optim.metrics or {}).items():
         metrics[f"optim/{k}"] = float(v)
     return metrics
 
 
-def rollout_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, float]:
-    """Reward and completion statistics of a step's groups.
+def completion_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, float]:
+    """Length statistics of a step's completions (every scorer's step reports them).
 
     Returns:
-        ``reward`` (mean over every completion), ``frac_degenerate`` (share of groups with all-equal rewards),
-        ``completion_tokens_mean`` / ``completion_tokens_max`` (sampled tokens per completion) and
-        ``frac_max_tokens`` (share of completions that used the whole ``max_tokens`` budget, i.e. were cut off).
+        ``completion/tokens_mean``, ``completion/tokens_max``, ``completion/tokens_total`` (sampled tokens per
+        completion and in all) and ``completion/frac_max_tokens`` (share of completions that used the whole
+        ``max_tokens`` budget, i.e. were cut off).
 
     Raises:
         ValueError: no groups, or groups without completions.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
-    if not groups or not any(len(g.sequences) for g in groups):
-        raise ValueError("groups must hold at least one completion; got an empty step")
-    rewards = np.concatenate([g.rewards for g in groups])
     lengths = np.array([len(s.tokens) for g in groups for s in g.sequences])
+    if lengths.size == 0:
+        raise ValueError("groups must hold at least one completion; got an empty step")
     return {
-        "reward": float(rewards.mean()),
-        "frac_degenerate": float(np.mean([g.degenerate for g in groups])),
-        "completion_tokens_mean": float(lengths.mean()),
-        "completion_tokens_max": float(lengths.max()),
-        "frac_max_tokens": float(np.mean(lengths >= max_tokens)),
+        "completion/tokens_mean": float(lengths.mean()),
+        "completion/tokens_max": float(lengths.max()),
+        "completion/tokens_total": float(lengths.sum()),
+        "completion/frac_max_tokens": float(np.mean(lengths >= max_tokens)),
     }
+
+
+def reward_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Reward statistics of a step's graded groups.
+
+    Returns:
+        ``reward/mean`` (mean over every completion) and ``reward/frac_degenerate`` (share of groups whose
+        rewards are all equal).
+
+    Raises:
+        ValueError: no groups, or groups without rewards.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    if not groups or any(g.rewards is None or len(g.rewards) == 0 for g in groups):
+        raise ValueError("reward_metrics needs graded groups with at least one reward each")
+    rewards = np.concatenate([g.rewards for g in groups])
+    return {"reward/mean": float(rewards.mean()),
+            "reward/frac_degenerate": float(np.mean([g.degenerate for g in groups]))}
 
 
 def timed(fn, *args, **kwargs):

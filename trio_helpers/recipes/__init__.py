@@ -1,29 +1,276 @@
-"""Command-line recipes: the book's training loops as scripts (``python -m trio_helpers.recipes.<name>``).
+"""Command-line recipes: the book's loops as scripts (``python -m trio_helpers.recipes.<name>``).
 
-Each recipe parses the tutorials' flags into the same config the chapters use and calls the same function, so a
-recipe and its chapter cannot drift apart.
+Each recipe parses the PyTRIO examples' flags into the same config the chapters use and calls the same function,
+so a recipe and its chapter cannot drift apart. This module holds what they share: one argument parser for the
+loop's settings (:func:`loop_parser`), the backend flags (:func:`add_backend_flags`), the mapping of flags onto
+a config (:func:`config_from_args`) and the run wrapper that turns failures into one line and an exit status
+(:func:`run_and_report`).
+
+Exit statuses: 0 done; 1 the run stopped (a service call failed for good, or a run that cannot start); 2 bad
+flags or settings (nothing was created or written); 130 interrupted (Ctrl-C).
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync).
 """
 
+from __future__ import annotations
 
 import argparse
+import math
+import shlex
+import sys
+from dataclasses import fields
+
+BACKEND_CHOICES = ("offline", "remote", "auto")
+OFFLINE_FLAGS = {"latency": "--latency", "fault_rate": "--fault-rate", "outage_after": "--outage-after"}
 
 
-def int_at_least(low: int):
-    """An argparse ``type`` accepting integers >= ``low``, with an error message naming the bound.
+def int_at_least(low: int, high: int | None = None):
+    """An argparse ``type`` accepting integers >= ``low`` (and <= ``high``), with a message naming the bounds.
 
-    Shared by the recipes (``python -m trio_helpers.recipes.grpo`` / ``.evaluate``).
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
+    want = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = want
     return parse
+
+
+def number_where(want: str, ok):
+    """An argparse ``type`` accepting finite numbers for which ``ok(value)`` holds; ``want`` describes them.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+        return value
+
+    parse.__name__ = want
+    return parse
+
+
+def key_value(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--loss-config``; the value is read as an int, a float, true/false, or kept as text.
+
+    Introduced in: chapter 08 (notebooks/08_losses).
+    """
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE (e.g. clip_low_threshold=0.8), got {text!r}")
+    value: object = raw
+    for convert in (int, float):
+        try:
+            value = convert(raw)
+            break
+        except ValueError:
+            continue
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    return key.strip(), value
+
+
+def add_backend_flags(p: argparse.ArgumentParser) -> None:
+    """``--backend`` and the offline backend's ``--latency``, ``--fault-rate``, ``--outage-after`` (refused
+    with the real service), ``--progress/--no-progress``.
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    g = p.add_argument_group("backend")
+    g.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
+                   help="service backend (default: $TRIO_BACKEND, else auto: remote when logged in)")
+    g.add_argument("--latency", type=number_where("a number of seconds >= 0", lambda v: v >= 0), default=None,
+                   help="offline only: simulated seconds each request spends on the network")
+    g.add_argument("--fault-rate", type=number_where("a probability in [0, 1)", lambda v: 0 <= v < 1),
+                   default=None, help="offline only: share of requests that fail transiently (retried inside "
+                   "the client, as pytrio's transport does)")
+    g.add_argument("--outage-after", type=int_at_least(0), default=None,
+                   help="offline only: every request from the N-th on fails, outlasting the retry window")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar (default: only when stderr is a terminal)")
+
+
+def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse.ArgumentParser:
+    """The parser of the loop's settings, shared by the GRPO and OPD recipes (defaults from ``defaults``, a
+    :class:`trio_helpers.loop.LoopConfig`). Flag names follow the PyTRIO examples.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    from trio_helpers.loop import LOSSES, LR_SCHEDULES, SWANLAB_MODES
+
+    d = defaults
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pos = int_at_least(1)
+    p.add_argument("--steps", type=pos, default=d.steps, help="training steps (ignored with --all-data)")
+    p.add_argument("--batch-size", type=pos, default=d.batch_size, help="prompts per step")
+    p.add_argument("--group-size", type=pos, default=d.group_size, help="completions per prompt")
+    p.add_argument("--max-tokens", type=pos, default=d.max_tokens, help="sampling budget per completion")
+    p.add_argument("--base-model", default=d.base_model, help="model to fine-tune with LoRA")
+    p.add_argument("--lora-rank", type=int_at_least(4, 64), default=d.lora_rank, help="LoRA rank")
+    p.add_argument("--learning-rate", type=number_where("a number > 0", lambda v: v > 0),
+                   default=d.learning_rate, help="Adam learning rate (peak, with --lr-schedule cosine)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule, help="learning-rate schedule")
+    p.add_argument("--temperature", type=number_where("a number >= 0", lambda v: v >= 0),
+                   default=d.temperature, help="sampling temperature")
+    p.add_argument("--top-p", type=number_where("a number in (0, 1]", lambda v: 0 < v <= 1), default=d.top_p,
+                   help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="top-k sampling (-1: off)")
+    p.add_argument("--seed", type=int_at_least(0), default=d.seed, help="seed of the adapter and of every request")
+    p.add_argument("--all-data", action="store_true", help="one pass over the data, no wrap-around")
+    p.add_argument("--save-every", type=int_at_least(0), default=d.save_every,
+                   help="save the training state every N steps (0: never); needed for --resume")
+    p.add_argument("--run-dir", default=run_dir, help="directory for metrics.jsonl, checkpoints.json, config.json")
+    p.add_argument("--resume", action="store_true", help="continue from the last saved state in --run-dir")
+    p.add_argument("--weights-name", default=d.weights_name, help="name of the final sampler weights")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="send a step's requests concurrently (chapter 05)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="also sample the next batches while this one trains (chapter 05)")
+    p.add_argument("--max-staleness", type=pos, default=d.max_staleness,
+                   help="with --pipeline: most updates a batch's sampler may lag behind")
+    p.add_argument("--max-concurrency", type=pos, default=d.max_concurrency,
+                   help="requests in flight with --async/--pipeline")
+    p.add_argument("--sampler-refresh-steps", type=pos, default=d.sampler_refresh_steps,
+                   help="take a new sampler of the current weights every N steps")
+    p.add_argument("--loss-fn", choices=LOSSES, default=d.loss_fn, help="forward_backward's loss")
+    p.add_argument("--loss-config", type=key_value, action="append", default=None, metavar="KEY=VALUE",
+                   help="a loss_fn_config entry (repeat for several)")
+    p.add_argument("--swanlab", nargs="?", const="online", default="disabled", choices=SWANLAB_MODES,
+                   help="log to SwanLab: online (needs `swanlab login`), offline (sync later) or disabled")
+    p.add_argument("--no-swanlab", dest="swanlab", action="store_const", const="disabled",
+                   help="no SwanLab logging (the default)")
+    add_backend_flags(p)
+    return p
+
+
+def config_from_args(args: argparse.Namespace, cls, **extra):
+    """The config of class ``cls`` that parsed arguments describe (every field with a flag of the same name).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    values["rollout"] = "pipeline" if args.pipeline else "async" if args.use_async else "sync"
+    values["loss_fn_config"] = dict(args.loss_config) if args.loss_config else None
+    if not values.get("weights_name"):
+        values["weights_name"] = None
+    values.update(extra)
+    return cls(**values)
+
+
+def check_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, config=None) -> None:
+    """Everything that can be checked before contacting a service; ``parser.error`` (exit 2) otherwise.
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    if config is not None:
+        try:
+            config.validate()
+        except ValueError as err:
+            parser.error(str(err))
+    if getattr(args, "resume", False) and not args.run_dir:
+        parser.error("--resume needs --run-dir: the run directory holds the saved states and metrics.jsonl")
+    used = [flag for name, flag in OFFLINE_FLAGS.items() if getattr(args, name, None) is not None]
+    if used:
+        from trio_helpers.backend import has_pytrio_credentials
+
+        backend = args.backend or __import__("os").environ.get("TRIO_BACKEND") or "auto"
+        if backend == "remote" or (backend == "auto" and has_pytrio_credentials()):
+            parser.error(f"{', '.join(used)} simulate the offline backend and cannot apply to the real service; "
+                         "drop them or use --backend offline")
+    mode = getattr(args, "swanlab", "disabled")
+    try:
+        from trio_helpers import tracking
+
+        if hasattr(tracking, "check_swanlab"):
+            tracking.check_swanlab(mode)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """``trio_helpers.connect`` with the backend flags; a missing login or a bad backend is one line, exit 2.
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    from trio_helpers import connect
+
+    options = {name: getattr(args, name) for name in OFFLINE_FLAGS if getattr(args, name, None) is not None}
+    try:
+        return connect(args.backend, **options)
+    except ValueError as err:
+        parser.error(str(err))
+    except Exception as err:  # pytrio's AuthError and connection errors: one line, no traceback
+        from pytrio.errors.base import PyTrioError
+
+        if not isinstance(err, PyTrioError):
+            raise
+        message = getattr(err, "message", None) or str(err)
+        print(f"{parser.prog}: error: {message.splitlines()[0] if message else type(err).__name__}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def resume_command(prog: str, argv: list[str]) -> str:
+    """The command that resumes an interrupted run: the same flags, without ``--outage-after``, plus ``--resume``.
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--outage-after":
+            skip = True
+            continue
+        if arg.startswith("--outage-after="):
+            continue
+        out.append(arg)
+    if "--resume" not in out:
+        out.append("--resume")
+    return " ".join([prog, *map(shlex.quote, out)])
+
+
+def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
+    """Call ``run()`` and turn what the user should see into one line and an exit status.
+
+    Returns:
+        ``(result, 0)`` on success, ``(None, status)`` otherwise, after printing one line to stderr: a
+        :class:`trio_helpers.loop.RunStopped` (status 1, with the resume command when a state was saved), a
+        ``ValueError`` (status 1: e.g. nothing to resume), Ctrl-C (status 130, with the resume command).
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    from trio_helpers.loop import RunStopped
+
+    prog = parser.prog
+    args = argv if argv is not None else sys.argv[1:]
+    try:
+        return run(), 0
+    except RunStopped as stopped:
+        print(f"{prog}: error: {stopped}", file=sys.stderr)
+        if stopped.checkpoint is not None:
+            print(f"{prog}: resume with: {resume_command(prog, args)}", file=sys.stderr)
+        return None, 1
+    except ValueError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return None, 1
+    except KeyboardInterrupt:
+        how = (f"resume from the last saved state with: {resume_command(prog, args)}"
+               if getattr(parser, "_resumable", True) else "no state was saved (--save-every 0): rerun it")
+        print(f"{prog}: interrupted; finished steps are in metrics.jsonl; {how}", file=sys.stderr)
+        return None, 130

@@ -1,0 +1,792 @@
+"""The one training loop of the book: GRPO and on-policy distillation are two scorers plugged into it.
+
+Per step: take a batch of records, sample a group of completions per prompt from a sampler of the current (or a
+bounded-stale) policy, let the *scorer* turn each group into per-token advantages, build ``importance_sampling``
+datums, run ``forward_backward`` and then ``optim_step``, log one row of metrics, and every ``save_every`` steps
+save the training state so an interrupted run can resume. The scorer is the only part that differs:
+
+- :class:`trio_helpers.grpo.GRPOScorer`: rewards -> group-relative advantages (chapter 04);
+- :class:`trio_helpers.distillation.OPDScorer`: teacher logprobs -> ``-coef * reverse KL`` per token (chapter 06).
+
+Rollouts (``config.rollout``): ``"sync"`` sends one request after another; ``"async"`` sends a batch's requests
+concurrently (at most ``max_concurrency`` in flight); ``"pipeline"`` also samples the next batches while the
+current one trains, from weights at most ``max_staleness`` updates old. Seeds are fixed per (seed, step, prompt),
+so the three modes give the same numbers whenever their samplers hold the same weights.
+
+**Sampler versions.** The weights' *version* is the number of optimizer steps applied. Batch ``s`` is sampled
+from version ``v(s)``, a pure function of the config (never of timing): ``v(s) = max(b(s), s - max_staleness)``
+when pipelining, else ``v(s) = b(s) + k * floor((s - b(s)) / k)`` with ``k = sampler_refresh_steps``, where
+``b(s)`` is the last *resume point* at or before ``s`` (step 0, and every multiple of ``save_every``). The pipeline
+therefore drains at each checkpoint: a run resumed there samples exactly what the uninterrupted run sampled.
+
+**Failures.** pytrio retries transient errors inside its transport (for up to 15 minutes by default). What still
+reaches the loop ends the run cleanly: sampling requests (which change nothing on the service) are retried once
+more at user level (``retries``); a failed training call is never re-sent. The loop stops with
+:class:`RunStopped`: ``metrics.jsonl`` holds every finished step, the checkpoints listed in ``checkpoints.json`` are
+intact, and the message says how to resume. An interruption (Ctrl-C) leaves the same state behind.
+
+**Metric keys** (one vocabulary for every scorer; ``step`` is 0-based, as in ``metrics.jsonl``):
+
+=============================  ====================================================================
+``reward/mean``                GRPO: mean reward over the step's completions
+``reward/frac_degenerate``     GRPO: share of groups whose rewards are all equal (no signal)
+``kl/teacher_mean``, ``_std``  OPD: per-token sampled reverse KL to the teacher, ``student_lp - teacher_lp``
+``kl/teacher_seq_mean``        OPD: the same summed over each completion, averaged over completions
+``completion/tokens_mean``     sampled tokens per completion (also ``_max`` and ``_total``)
+``completion/frac_max_tokens`` share of completions cut off at ``max_tokens``
+``train/datums``               datums sent to ``forward_backward``
+``train/tokens``               model-input tokens sent; ``train/tokens_skipped``: not sent (degenerate)
+``train/loss``                 the trainer's ``loss_mean`` (NaN when nothing was sent)
+``train/ratio_mean``, ``_max`` importance ratio ``exp(logp_train - logp_sampler)`` over trained tokens
+``train/policy_lag``           mean ``|logp_train - logp_sampler|`` (0 on-policy with identical numerics)
+``train/lr``                   the learning rate of the step
+``optim/*``                    what ``optim_step`` returned
+``sampler/version``            the weights version the batch was sampled from; ``sampler/staleness``:
+                               how many updates behind the trained weights it was
+``time/*_s``                   wall clock: ``refresh``, ``sample``, ``wait``, ``train``, ``step``
+=============================  ====================================================================
+
+Introduced in: chapter 04 (notebooks/04_grpo_sync); concurrency and failures in chapter 05, the distillation
+scorer in chapter 06.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import numbers
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from trio_helpers.rl import completion_metrics, cosine_lr, train_on_groups
+from trio_helpers.rollouts import RequestLimiter, RetriesExhausted, RetryPolicy, gather_or_cancel, run_sync
+
+ROLLOUTS = ("sync", "async", "pipeline")
+LR_SCHEDULES = ("constant", "cosine")
+SWANLAB_MODES = ("online", "offline", "disabled")
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+"""The policy-gradient losses pytrio accepts for datums with ``logprobs`` and ``advantages``."""
+
+CHECKPOINTS_FILE = "checkpoints.json"
+CONFIG_FILE = "config.json"
+MAY_CHANGE_ON_RESUME = ("steps", "swanlab", "max_concurrency", "weights_name", "run_dir")
+"""Settings a resumed run may change; every other setting must equal the saved ``config.json``."""
+TIMING_PREFIX = "time/"
+"""Metric keys starting with this are wall-clock numbers: they differ on every run (keep them out of outputs)."""
+
+
+def _is_int(value, low: int | None = None) -> bool:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return ok and (low is None or value >= low)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class LoopConfig:
+    """The settings every run of the loop shares (GRPO and OPD add their own in subclasses).
+
+    Attributes:
+        base_model: model to fine-tune with LoRA.
+        lora_rank: LoRA rank, in [4, 64].
+        steps: training steps (ignored with ``all_data``: then one pass over the records).
+        batch_size: prompts per step.
+        group_size: completions sampled per prompt.
+        max_tokens: sampling budget per completion; longer completions are cut off.
+        temperature, top_p, top_k: sampling parameters (``top_k=-1``: no truncation).
+        seed: seeds the LoRA initialisation and every sampling request (per step and prompt).
+        learning_rate: Adam's learning rate (the peak one with ``lr_schedule="cosine"``).
+        lr_schedule: ``"constant"`` or ``"cosine"`` (decay to 0 over the run, the *GSM8K* example's schedule).
+        beta1, beta2: Adam's moment decay rates.
+        all_data: one pass over the records without wrap-around (the last batch may be smaller).
+        save_every: ``save_state`` every this many steps (0 = never); needs ``run_dir`` to resume from.
+        weights_name: name of the final ``save_weights_for_sampler`` checkpoint (``None``: do not save one).
+        run_dir: directory for ``metrics.jsonl``, ``checkpoints.json`` and ``config.json`` (None = memory only).
+        swanlab: ``"online"``, ``"offline"`` or ``"disabled"``.
+        rollout: ``"sync"``, ``"async"`` or ``"pipeline"`` (see the module docstring).
+        max_concurrency: requests in flight at once with ``"async"`` and ``"pipeline"``.
+        max_staleness: with ``"pipeline"``, how many updates a batch's sampler may lag behind (>= 1).
+        sampler_refresh_steps: without pipelining, take a new sampler every this many steps (1 = every step).
+        loss_fn: ``forward_backward``'s loss, one of :data:`LOSSES`.
+        loss_fn_config: passed to ``forward_backward`` unchanged (``None``: the service's defaults).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+
+    base_model: str = "Qwen/Qwen3.5-4B"
+    lora_rank: int = 32
+    steps: int = 10
+    batch_size: int = 4
+    group_size: int = 4
+    max_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 42
+    learning_rate: float = 4e-5
+    lr_schedule: str = "constant"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    all_data: bool = False
+    save_every: int = 0
+    weights_name: str | None = "final"
+    run_dir: str | None = None
+    swanlab: str = "disabled"
+    rollout: str = "sync"
+    max_concurrency: int = 8
+    max_staleness: int = 1
+    sampler_refresh_steps: int = 1
+    loss_fn: str = "importance_sampling"
+    loss_fn_config: dict | None = None
+
+    def validate(self) -> None:
+        """Check every field; raises ``ValueError`` naming the field, the value and the fix.
+
+        Introduced in: chapter 04 (notebooks/04_grpo_sync).
+        """
+        for name in ("steps", "batch_size", "group_size", "max_tokens", "max_concurrency", "max_staleness",
+                     "sampler_refresh_steps"):
+            if not _is_int(getattr(self, name), 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("save_every", "seed"):
+            if not _is_int(getattr(self, name), 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not _is_int(self.lora_rank) or not 4 <= self.lora_rank <= 64:
+            raise ValueError(f"lora_rank must be an integer in [4, 64] (the service's LoRA ranks), got "
+                             f"{self.lora_rank!r}")
+        if not (_is_real(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        if not (_is_real(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
+        for name in ("beta1", "beta2"):
+            if not (_is_real(getattr(self, name)) and 0 <= getattr(self, name) < 1):
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        for name, allowed in (("lr_schedule", LR_SCHEDULES), ("rollout", ROLLOUTS), ("swanlab", SWANLAB_MODES),
+                              ("loss_fn", LOSSES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.loss_fn_config is not None and not isinstance(self.loss_fn_config, dict):
+            raise ValueError(f"loss_fn_config must be a dict or None, got {type(self.loss_fn_config).__name__}")
+        if not isinstance(self.base_model, str) or not self.base_model.strip():
+            raise ValueError(f"base_model must be a model name such as 'Qwen/Qwen3.5-4B', got {self.base_model!r}")
+        name = self.weights_name
+        if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
+            raise ValueError(f"weights_name must be a name without '/' (e.g. 'final') or None, got {name!r}")
+        if self.save_every and self.run_dir is None:
+            raise ValueError(f"save_every={self.save_every} needs run_dir: checkpoints.json (the list of saved "
+                             "states that resume reads) lives there; set run_dir, e.g. 'runs/grpo'")
+        if self.rollout == "pipeline" and self.sampler_refresh_steps != 1:
+            raise ValueError(f"sampler_refresh_steps={self.sampler_refresh_steps} with rollout='pipeline': the "
+                             "pipeline already bounds staleness with max_staleness; use one of the two")
+
+
+# ------------------------------------------------------------------------------------------ steps and requests
+def total_steps_for(config: LoopConfig, n_records: int) -> int:
+    """Steps in the run: ``config.steps``, or with ``all_data`` one pass, ``ceil(n_records / batch_size)``.
+
+    Raises:
+        ValueError: no records.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    if n_records < 1:
+        raise ValueError("records is empty: a run needs at least one record")
+    return math.ceil(n_records / config.batch_size) if config.all_data else config.steps
+
+
+def batch_for_step(records: Sequence[dict], step: int, batch_size: int, all_data: bool = False
+                   ) -> list[tuple[int, dict]]:
+    """The ``(record index, record)`` pairs of one step's batch.
+
+    Without ``all_data`` batches run through the records in order and wrap around (step ``s`` takes indices
+    ``s*B .. s*B+B-1`` modulo the number of records), so any number of steps works. With ``all_data`` there is
+    no wrap-around: the last batch holds what is left, and a step past the end is an error.
+
+    Raises:
+        ValueError: negative step or batch size < 1, no records, or (``all_data``) a step past the last batch.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    n = len(records)
+    if n == 0:
+        raise ValueError("records is empty: a run needs at least one record")
+    if step < 0 or batch_size < 1:
+        raise ValueError(f"step must be >= 0 and batch_size >= 1, got step={step}, batch_size={batch_size}")
+    start = step * batch_size
+    if all_data:
+        if start >= n:
+            raise ValueError(f"step {step} is past the end of the data: with all_data, {n} records make "
+                             f"{math.ceil(n / batch_size)} steps of batch_size {batch_size}")
+        return [(i, records[i]) for i in range(start, min(start + batch_size, n))]
+    return [((start + j) % n, records[(start + j) % n]) for j in range(batch_size)]
+
+
+def request_seed(seed: int, step: int, prompt_index: int) -> int:
+    """A sampling seed for one request, a deterministic mix of ``(seed, step, prompt_index)`` below ``2**31``.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    return int(np.random.SeedSequence([seed, step, prompt_index]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def sampling_params_for(config: LoopConfig, step: int, prompt_index: int, stop=None):
+    """``SamplingParams`` of one prompt's request: the config's budget and sampling settings, a seed per request.
+
+    Seeding every request by ``(config.seed, step, prompt_index)`` makes a run reproducible whatever order requests
+    complete in, and makes a resumed run sample exactly what the interrupted one would have.
+
+    Args:
+        config: the run's settings.
+        step, prompt_index: which request.
+        stop: stop token ids or strings (``trio_helpers.prompts.stop_token_ids(tokenizer)``).
+
+    Returns:
+        ``pytrio.SamplingParams``.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    import pytrio as trio
+
+    return trio.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
+                               top_k=config.top_k, seed=request_seed(config.seed, step, prompt_index), stop=stop)
+
+
+def learning_rate_at(config: LoopConfig, step: int, total_steps: int) -> float:
+    """The learning rate of ``step``: constant, or cosine-decayed over ``total_steps``.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    if config.lr_schedule == "cosine":
+        return cosine_lr(step, total_steps, config.learning_rate)
+    return float(config.learning_rate)
+
+
+def adam_params_at(config: LoopConfig, step: int, total_steps: int):
+    """``pytrio.AdamParams`` of ``step`` (the scheduled learning rate, the config's betas).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    import pytrio as trio
+
+    return trio.AdamParams(learning_rate=learning_rate_at(config, step, total_steps), beta1=config.beta1,
+                           beta2=config.beta2)
+
+
+def sampler_version(config: LoopConfig, step: int, start: int = 0) -> int:
+    """The weights version (optimizer steps applied) that batch ``step`` is sampled from (module docstring).
+
+    Args:
+        config: the run's settings (``rollout``, ``max_staleness``, ``sampler_refresh_steps``, ``save_every``).
+        step: the batch.
+        start: the step the run (or the resumed run) started at: a resume point too.
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    base = start
+    if config.save_every and step >= start:
+        base = max(start, step - step % config.save_every)
+    if config.rollout == "pipeline":
+        return max(base, step - config.max_staleness)
+    k = config.sampler_refresh_steps
+    return base + k * ((step - base) // k)
+
+
+# ---------------------------------------------------------------------------------------------- one step
+async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tuple[int, dict]],
+                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None) -> list:
+    """Sample a group per prompt of the batch and let ``scorer`` score it; returns the scored groups in order.
+
+    Every request (sampling, and the scorer's own, e.g. teacher logprobs) goes through ``limiter``: at most its
+    ``max_concurrency`` in flight, sampling retried per its policy.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    prompts = [scorer.prompt(tokenizer, record) for _, record in records_batch]
+
+    async def one(i: int):
+        params = sampling_params_for(config, step, i, stop=stop)
+        response = await limiter.call(
+            lambda: sampler.sample_async(prompts[i], num_samples=config.group_size, sampling_params=params),
+            what=f"sample (step {step}, prompt {i})", index=i)
+        return await scorer.score(i, prompts[i], records_batch[i][1], list(response.sequences), limiter)
+
+    return await gather_or_cancel(one(i) for i in range(len(prompts)))
+
+
+@dataclass
+class StepOutput:
+    """What one step did: its logged ``metrics`` row, the scored ``groups`` and the ``sampler`` they came from.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+
+    step: int
+    metrics: dict
+    groups: list
+    sampler: object = None
+
+
+def _limiter(config: LoopConfig, retries) -> RequestLimiter:
+    return RequestLimiter(1 if config.rollout == "sync" else config.max_concurrency, retries)
+
+
+def train_step_metrics(training_client, scorer, groups, config: LoopConfig, step: int, total_steps: int) -> dict:
+    """Train on a step's scored groups and return the step's metrics (scorer's, completions', training's).
+
+    Raises:
+        RuntimeError: the scorer requires datums (``scorer.require_datums``) and the step produced none.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    adam = adam_params_at(config, step, total_steps)
+    train = train_on_groups(training_client, groups, adam, skip_degenerate=scorer.skip_degenerate,
+                            loss_fn=config.loss_fn, loss_fn_config=config.loss_fn_config)
+    if train["train/datums"] == 0 and scorer.require_datums:
+        raise RuntimeError(f"step {step} produced no datums (every completion was empty); check max_tokens "
+                           f"({config.max_tokens}) and the stop tokens")
+    return {**scorer.metrics(groups), **completion_metrics(groups, config.max_tokens), **train,
+            "train/lr": float(adam.learning_rate)}
+
+
+def one_step(training_client, scorer, records_batch, config: LoopConfig, step: int, tokenizer, *,
+             total_steps: int | None = None, retries: RetryPolicy | None = RetryPolicy()) -> StepOutput:
+    """One on-policy step, in the open: refresh the sampler, sample and score the batch, train.
+
+    The same pieces the run uses (:func:`rollout_batch`, :func:`train_step_metrics`), for one step.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    from trio_helpers.prompts import stop_token_ids
+
+    config.validate()
+    t0 = time.perf_counter()
+    sampler = training_client.save_weights_and_get_sampling_client()
+    t1 = time.perf_counter()
+    groups = run_sync(rollout_batch(sampler, scorer, tokenizer, records_batch, config, step,
+                                    _limiter(config, retries), stop=stop_token_ids(tokenizer)))
+    t2 = time.perf_counter()
+    metrics = train_step_metrics(training_client, scorer, groups, config, step, total_steps or config.steps)
+    t3 = time.perf_counter()
+    metrics.update({"sampler/version": step, "sampler/staleness": 0, "time/refresh_s": t1 - t0,
+                    "time/sample_s": t2 - t1, "time/train_s": t3 - t2, "time/step_s": t3 - t0})
+    return StepOutput(step, {"step": step, **metrics}, groups, sampler)
+
+
+# ------------------------------------------------------------------------------------------ runs, checkpoints
+class RunStopped(RuntimeError):
+    """A service call failed for good (after pytrio's retries, and ours for sampling); the run stopped cleanly.
+
+    Attributes:
+        step: the step that failed; ``completed``: steps logged before it; ``checkpoint``: the last saved state
+            (``{"step", "path"}``) or None; ``call``: what failed; ``__cause__``: the error.
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+
+    def __init__(self, step: int, call: str, error: BaseException, checkpoint: dict | None, completed: int):
+        if isinstance(error, RetriesExhausted):
+            call, error = f"{error.what} (after pytrio's retries and {error.attempts} attempts of ours)", \
+                error.last_error
+        self.step, self.call, self.checkpoint, self.completed = step, call, checkpoint, completed
+        message = getattr(error, "message", None) or str(error)
+        where = (f"resume from the saved state after step {checkpoint['step']} with resume=True "
+                 "(recipes: --resume)" if checkpoint else "no state was saved, so the run cannot resume "
+                 "(set save_every and run_dir to make it resumable)")
+        super().__init__(f"step {step}: {call} failed: {type(error).__name__}: {message}. The run stopped "
+                         f"cleanly after {completed} logged steps; {where}")
+
+
+@dataclass
+class RunResult:
+    """What a run returns.
+
+    Attributes:
+        history: one row per step (``{"step": s, **metrics}``), steps 0..N-1, including the steps done before a
+            resume (read back from ``metrics.jsonl``).
+        final_path: the ``save_weights_for_sampler`` path of the final weights (load it with
+            ``service.create_sampling_client(base_model, model_path=final_path)``), or None.
+        checkpoints: ``[{"step": completed_steps, "path": save_state_path}, ...]`` of this run directory.
+        start_step: 0 for a fresh run, the checkpoint's step for a resumed one.
+        run_dir: the run directory (or None).
+        training_client: the trained ``TrainingClient`` (e.g. to keep training or sampling).
+        scorer: the scorer (e.g. ``result.scorer.teacher`` for OPD).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+
+    history: list[dict]
+    final_path: str | None
+    checkpoints: list[dict] = field(default_factory=list)
+    start_step: int = 0
+    run_dir: str | None = None
+    training_client: object = field(default=None, repr=False)
+    scorer: object = field(default=None, repr=False)
+
+    def series(self, key: str) -> np.ndarray:
+        """One metric over the steps as a float64 array (NaN where a row lacks it), e.g. ``"reward/mean"``.
+
+        Raises:
+            KeyError: no row has that key.
+        """
+        if not any(key in row for row in self.history):
+            raise KeyError(f"no step logged {key!r}; keys: {sorted(self.history[0]) if self.history else []}")
+        return np.array([np.nan if row.get(key) is None else row[key] for row in self.history], dtype=np.float64)
+
+
+@dataclass
+class RunState:
+    """The moving parts of a run between :func:`open_run` and :func:`finish_run`.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+
+    config: LoopConfig
+    training_client: object
+    tokenizer: object
+    logger: object
+    start_step: int
+    total_steps: int
+    run_dir: Path | None
+    checkpoints: list[dict]
+    owns_logger: bool
+
+
+def read_checkpoints(run_dir: str | os.PathLike) -> list[dict]:
+    """The saved states listed in ``run_dir/checkpoints.json`` (oldest first); ``[]`` if there is none.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    path = Path(run_dir) / CHECKPOINTS_FILE
+    if not path.exists():
+        return []
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)  # atomic: an interruption never leaves half a file
+
+
+def _check_resume(run_dir: Path, config: LoopConfig) -> list[dict]:
+    checkpoints = read_checkpoints(run_dir)
+    if not checkpoints:
+        raise ValueError(f"resume=True, but run_dir {str(run_dir)!r} has no saved state in {CHECKPOINTS_FILE}; "
+                         "start the run with save_every > 0, or pass resume=False to start fresh")
+    path = run_dir / CONFIG_FILE
+    saved = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    now = asdict(config)
+    changed = {k: (saved[k], now[k]) for k in now
+               if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
+    if changed:
+        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"cannot resume run_dir {str(run_dir)!r} with different settings ({detail}); use the "
+                         "saved settings, or a new run_dir with resume=False")
+    return checkpoints
+
+
+def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logger=None, resume: bool = False,
+             training_client=None) -> RunState:
+    """Check everything, then create (or, with ``resume``, restore) the training client, logger and run directory.
+
+    Every check that can fail (config, records, resume settings, SwanLab mode) runs before any client is created
+    or any file of ``run_dir`` is touched. A fresh run creates a LoRA training client seeded with ``config.seed``
+    (or continues ``training_client``) and writes ``config.json``, replacing ``metrics.jsonl`` and
+    ``checkpoints.json``. A resumed run restores weights *and* Adam's state from the last entry of
+    ``checkpoints.json`` with ``create_training_client_from_state_with_optimizer``, continues at that entry's step,
+    and drops logged rows of later steps (they are redone), so ``metrics.jsonl`` holds each step exactly once.
+
+    Raises:
+        ValueError: invalid config or records; ``resume`` without ``run_dir`` or checkpoint, with settings that
+            differ from the saved ``config.json``, or together with ``training_client``.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    from trio_helpers import tracking
+
+    config.validate()
+    records = list(records)
+    total = total_steps_for(config, len(records))
+    scorer.check_records(records)
+    run_dir = Path(config.run_dir) if config.run_dir is not None else None
+    if logger is None and hasattr(tracking, "check_swanlab"):
+        tracking.check_swanlab(config.swanlab)
+    if resume:
+        if run_dir is None:
+            raise ValueError("resume=True needs config.run_dir: it holds checkpoints.json and metrics.jsonl")
+        if training_client is not None:
+            raise ValueError("resume=True restores the training client from the run's last checkpoint; do not "
+                             "pass training_client as well")
+        checkpoints = _check_resume(run_dir, config)
+        last = checkpoints[-1]
+        scorer.setup(service)
+        training_client = service.create_training_client_from_state_with_optimizer(last["path"])
+        start = int(last["step"])
+    else:
+        checkpoints = []
+        scorer.setup(service)
+        if training_client is None:
+            training_client = service.create_lora_training_client(config.base_model, rank=config.lora_rank,
+                                                                   seed=config.seed)
+        start = 0
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(run_dir / CHECKPOINTS_FILE, [])
+    if run_dir is not None:
+        _write_json(run_dir / CONFIG_FILE, asdict(config))
+    owns = logger is None
+    if owns:
+        logger = tracking.MetricsLogger(run_dir, swanlab=config.swanlab, project=f"trio-book-{scorer.name}",
+                                        config=asdict(config), resume=resume)
+    if resume and hasattr(logger, "truncate"):
+        logger.truncate(start)
+    return RunState(config, training_client, training_client.get_tokenizer(), logger, start, total, run_dir,
+                    checkpoints, owns)
+
+
+def save_checkpoint(run: RunState, done: int) -> dict:
+    """``save_state`` after ``done`` completed steps (weights + optimizer) and append it to ``checkpoints.json``.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    path = run.training_client.save_state(f"step-{done:06d}", overwrite=True).result().path
+    entry = {"step": done, "path": path}
+    run.checkpoints.append(entry)
+    if run.run_dir is not None:
+        _write_json(run.run_dir / CHECKPOINTS_FILE, run.checkpoints)
+    return entry
+
+
+def record_step(run: RunState, step: int, metrics: dict) -> dict:
+    """Log one finished step and, every ``save_every`` steps, save the training state and list it.
+
+    Returns:
+        The logged row.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    row = run.logger.log(step, metrics)
+    done = step + 1
+    every = run.config.save_every
+    if every and done % every == 0 and done < run.total_steps:
+        save_checkpoint(run, done)
+    return row
+
+
+def finish_run(run: RunState, scorer=None) -> RunResult:
+    """Save the final state (when checkpointing is on, so the run can be extended later) and the final sampler
+    weights (``weights_name``), close the logger if the run created it, and return the result.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    if run.config.save_every and (not run.checkpoints or run.checkpoints[-1]["step"] != run.total_steps):
+        save_checkpoint(run, run.total_steps)
+    final = None
+    if run.config.weights_name:
+        final = run.training_client.save_weights_for_sampler(run.config.weights_name).result().path
+    history = sorted(run.logger.history(), key=lambda r: r["step"])
+    if run.owns_logger:
+        run.logger.close()
+    return RunResult(history=history, final_path=final, checkpoints=list(run.checkpoints),
+                     start_step=run.start_step, run_dir=str(run.run_dir) if run.run_dir is not None else None,
+                     training_client=run.training_client, scorer=scorer)
+
+
+PHASE_KINDS = ("sample_start", "sample_end", "train_start", "train_end")
+"""Kinds of ``on_event(kind, step, t)`` calls of :func:`run_loop` (for timelines)."""
+
+
+def _service_error(error: BaseException) -> bool:
+    """An error of a service call that pytrio (and, for sampling, we) already retried: the run stops cleanly."""
+    from pytrio.errors.auth import AuthError
+    from pytrio.errors.base import PyTrioError, ValidationError
+
+    if isinstance(error, RetriesExhausted):
+        return True
+    return isinstance(error, PyTrioError) and not isinstance(error, (ValidationError, AuthError))
+
+
+async def _steps(run: RunState, records: list, scorer, retries, on_step, on_event, bar, print_every) -> None:
+    from trio_helpers.prompts import stop_token_ids
+
+    config, start, total = run.config, run.start_step, run.total_steps
+    stop = stop_token_ids(run.tokenizer)
+    limiter = _limiter(config, retries)
+    ahead = config.max_staleness if config.rollout == "pipeline" else 0
+    samplers: dict[int, object] = {}
+    pending: dict[int, tuple[int, object, asyncio.Task]] = {}
+    sample_s: dict[int, float] = {}
+    version, launched, t_prev = start, start, time.perf_counter()
+
+    def emit(kind: str, step: int) -> None:
+        if on_event is not None:
+            on_event(kind, step, time.perf_counter())
+
+    async def sample(step: int, sampler):
+        t0 = time.perf_counter()
+        batch = batch_for_step(records, step, config.batch_size, config.all_data)
+        groups = await rollout_batch(sampler, scorer, run.tokenizer, batch, config, step, limiter, stop=stop)
+        sample_s[step] = time.perf_counter() - t0
+        emit("sample_end", step)
+        return groups
+
+    try:
+        for step in range(start, total):
+            refresh_s = 0.0
+            while launched < total and launched <= step + ahead:
+                v = sampler_version(config, launched, start)
+                if v > version:
+                    break  # this batch needs weights that are not trained yet
+                if v not in samplers:
+                    t0 = time.perf_counter()
+                    samplers[v] = await run.training_client.save_weights_and_get_sampling_client_async()
+                    refresh_s += time.perf_counter() - t0
+                emit("sample_start", launched)
+                pending[launched] = (v, samplers[v], asyncio.ensure_future(sample(launched, samplers[v])))
+                launched += 1
+            v, sampler, task = pending.pop(step)
+            t_wait = time.perf_counter()
+            try:
+                groups = await task
+            except Exception as error:
+                if _service_error(error):
+                    raise _Failed(step, "sampling or scoring", error) from error
+                raise
+            wait_s = time.perf_counter() - t_wait
+            emit("train_start", step)
+            t_train = time.perf_counter()
+            try:
+                metrics = await asyncio.to_thread(train_step_metrics, run.training_client, scorer, groups, config,
+                                                  step, total)
+            except Exception as error:
+                if _service_error(error):
+                    raise _Failed(step, "a training call (forward_backward or optim_step)", error) from error
+                raise
+            emit("train_end", step)
+            version += 1
+            now = time.perf_counter()
+            metrics.update({"sampler/version": v, "sampler/staleness": step - v, "time/refresh_s": refresh_s,
+                            "time/sample_s": sample_s.pop(step), "time/wait_s": wait_s,
+                            "time/train_s": now - t_train, "time/step_s": now - t_prev})
+            t_prev = now
+            try:
+                row = await asyncio.to_thread(record_step, run, step, metrics)  # may save_state: off the loop
+            except Exception as error:
+                if _service_error(error):
+                    raise _Failed(step + 1, "save_state", error) from error
+                raise
+            needed = {sampler_version(config, s, start) for s in range(step + 1, min(total, step + ahead + 2))}
+            for old in [k for k in samplers if k not in needed and k < version]:
+                del samplers[old]
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix({label: f"{row[k]:.3f}" for k, label in scorer.headline.items() if k in row})
+            if print_every and (step % print_every == 0 or step == total - 1):
+                print(format_row(row, scorer.headline))
+            if on_step is not None:
+                on_step(StepOutput(step, row, groups, sampler))
+    finally:
+        for *_, task in pending.values():
+            task.cancel()
+        if pending:
+            await asyncio.gather(*(task for *_, task in pending.values()), return_exceptions=True)
+
+
+class _Failed(Exception):
+    def __init__(self, step: int, call: str, error: BaseException) -> None:
+        super().__init__(call)
+        self.step, self.call, self.error = step, call, error
+
+
+def run_loop(service, records: Sequence[dict], config: LoopConfig, scorer, *, logger=None, resume: bool = False,
+             progress: bool = False, training_client=None, retries: RetryPolicy | None = RetryPolicy(),
+             on_step: Callable[[StepOutput], None] | None = None,
+             on_event: Callable[[str, int, float], None] | None = None, print_every: int = 0) -> RunResult:
+    """Run the loop for every step: rollouts, scoring, training, logging, checkpoints, final weights.
+
+    Args:
+        service: a ``ServiceClient`` (``trio_helpers.connect()``).
+        records: the run's records (the scorer says which fields they need).
+        config: the run's settings (validated first).
+        scorer: turns each sampled group into advantages (:class:`trio_helpers.grpo.GRPOScorer`,
+            :class:`trio_helpers.distillation.OPDScorer`).
+        logger: where metrics go; default a :class:`trio_helpers.tracking.MetricsLogger` on ``config.run_dir``.
+        resume: continue from the last state in ``config.run_dir/checkpoints.json`` (see :func:`open_run`).
+        progress: show a ``tqdm.auto`` progress bar over the steps.
+        training_client: continue training this client instead of creating a fresh one.
+        retries: user-level retry policy for sampling and scoring requests (pytrio retries first; ``None``: none).
+        on_step: called with each step's :class:`StepOutput`.
+        on_event: ``on_event(kind, step, t)`` with kinds :data:`PHASE_KINDS` (``t`` from ``time.perf_counter()``).
+        print_every: print :func:`format_row` every this many steps (0: never).
+
+    Returns:
+        :class:`RunResult`.
+
+    Raises:
+        ValueError: invalid config or records, or an impossible resume (nothing is created or written then).
+        RunStopped: a service call failed for good; the run stopped cleanly (see the module docstring).
+        KeyboardInterrupt: interrupted; metrics of finished steps and the checkpoints are kept.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    from tqdm.auto import tqdm
+
+    records = list(records)
+    run = open_run(service, records, config, scorer, logger=logger, resume=resume, training_client=training_client)
+    bar = tqdm(total=run.total_steps, initial=run.start_step, desc=scorer.name.upper(), unit="step",
+               disable=not progress) if progress else None
+    try:
+        if run.total_steps > run.start_step:
+            run_sync(_steps(run, records, scorer, retries, on_step, on_event, bar, print_every))
+    except _Failed as failed:
+        if run.owns_logger:
+            run.logger.close()
+        last = run.checkpoints[-1] if run.checkpoints else None
+        done = len(run.logger.history())
+        raise RunStopped(failed.step, failed.call, failed.error, last, done) from failed.error
+    except BaseException:
+        if run.owns_logger:
+            run.logger.close()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return finish_run(run, scorer)
+
+
+def format_row(row: dict, keys: dict | None = None) -> str:
+    """One printed line for a logged row: its step (0-based, as in ``metrics.jsonl``), the headline metrics
+    (``{key: label}``, e.g. a scorer's ``headline``), datums, training tokens, loss and learning rate; no
+    wall-clock numbers.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    loss = row.get("train/loss")
+    parts = [f"step {row['step']:>3}"]
+    parts += [f"{label} {row[k]:.4f}" for k, label in (keys or {}).items() if k in row]
+    parts += [f"datums {int(row.get('train/datums', 0)):>3}", f"tokens {int(row.get('train/tokens', 0)):>6}",
+              "loss " + (f"{loss:+.4f}" if isinstance(loss, float) and math.isfinite(loss) else "-"),
+              f"lr {row.get('train/lr', float('nan')):.1e}"]
+    return "  ".join(parts)
+
+
+def config_from_dict(cls, values: dict):
+    """A config of class ``cls`` from a dict (e.g. a saved ``config.json``), ignoring unknown keys.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})

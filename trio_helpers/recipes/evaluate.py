@@ -17,8 +17,6 @@ Introduced in: chapter 07 (notebooks/07_evaluation).
 from __future__ import annotations
 
 import argparse
-
-from trio_helpers.recipes import int_at_least as _int_at_least
 import math
 import sys
 from pathlib import Path
@@ -32,6 +30,8 @@ from trio_helpers.evaluation import (
     save_records,
     summary_rows,
 )
+from trio_helpers.recipes import add_backend_flags, check_settings, connect_from_args
+from trio_helpers.recipes import int_at_least as _int_at_least
 
 
 def _temperature(text: str) -> float:
@@ -70,12 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=pos, default=16, help="requests in flight at once")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="base of the per-problem sampling seeds")
     p.add_argument("--n-boot", type=_int_at_least(100), default=10_000, help="bootstrap resamples")
-    p.add_argument("--backend", choices=("offline", "remote", "auto"), default=None,
-                   help="service backend (default: $TRIO_BACKEND, else auto)")
     p.add_argument("--compare-to", default=None, help="records (JSONL) of an earlier run on the same problems")
     p.add_argument("--out", default=None, help="write this run's records here (JSONL)")
     p.add_argument("--label", default=None, help="name of this run in the table (default: base or checkpoint)")
-    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    add_backend_flags(p)
     return p
 
 
@@ -108,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     validate(parser, args)
+    check_settings(parser, args)
     baseline = None
     if args.compare_to is not None:
         try:
@@ -115,20 +114,31 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             parser.error(f"--compare-to: {err}")
 
-    from trio_helpers import connect
     from trio_helpers.data import load_gsm8k
     from trio_helpers.evaluation import evaluate
 
-    source = "offline" if args.data_source == "auto" and args.backend == "offline" else args.data_source
-    records = load_gsm8k(args.split, source=source, path=args.data_path)[: args.eval_samples]
+    service = connect_from_args(parser, args)
+    try:
+        records = load_gsm8k(args.split, source=args.data_source, path=args.data_path)[: args.eval_samples]
+    except ValueError as err:
+        parser.error(str(err))
     if len(records) < args.eval_samples:
         print(f"note: the {args.split} split has only {len(records)} problems; evaluating all of them")
-    service = connect(args.backend)
-    sampler = service.create_sampling_client(args.base_model, model_path=args.model_path)
+    try:
+        sampler = service.create_sampling_client(args.base_model, model_path=args.model_path)
+    except Exception as err:  # a bad model name or path: pytrio's ValidationError, one line
+        from pytrio.errors.base import PyTrioError
+
+        if not isinstance(err, PyTrioError):
+            raise
+        print(f"{parser.prog}: error: {(getattr(err, 'message', None) or str(err)).splitlines()[0]}",
+              file=sys.stderr)
+        return 2
     tokenizer = sampler.get_tokenizer()
     results = evaluate(sampler, records, tokenizer, max_tokens=args.max_tokens,
                        samples_per_problem=args.samples_per_problem, temperature=args.temperature,
-                       max_concurrency=args.max_concurrency, seed=args.seed, progress=args.progress)
+                       max_concurrency=args.max_concurrency, seed=args.seed,
+                       progress=args.progress if args.progress is not None else sys.stderr.isatty())
     if args.out is not None:
         save_records(results, args.out)
         print(f"records: {args.out}")

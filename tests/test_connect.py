@@ -1,7 +1,8 @@
-"""``trio_helpers.connect``: backend choice, options, the bounded remote settings, and a cheap ``import``.
+"""``trio_helpers.connect``: backend choice, options, the start-up probe, the active backend, a cheap ``import``.
 
 No test here reaches the network or sets an API key: the remote path only ever meets a monkeypatched
-``pytrio.ServiceClient`` / ``pytrio.configure``.
+``pytrio.ServiceClient`` / ``pytrio.configure`` and a fake probe call; "logged in" is a monkeypatched
+``has_pytrio_credentials``.
 """
 
 from __future__ import annotations
@@ -33,13 +34,32 @@ class FakeServiceClient:
         FakeServiceClient.instances.append(self)
 
 
+class ConfigureCalls(list):
+    """The keyword dicts passed to pytrio.configure, plus the configurations the probe saw (``.probes``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.probes: list = []
+        FakeServiceClient.instances = []
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend_state(monkeypatch):
+    """Every test starts before any connect(), and the module state is restored afterwards."""
+    monkeypatch.setattr(backend, "_ACTIVE", None)
+
+
 @pytest.fixture
 def fake_remote(monkeypatch):
-    """Replace pytrio's network entry points; return the list of configure() calls."""
-    calls: list[dict] = []
-    FakeServiceClient.instances = []
+    """Replace pytrio's network entry points and the probe's call; return the list of configure() calls.
+
+    The fake probe records the configuration it was given in ``calls.probes``; no API key is ever set.
+    """
+    calls = ConfigureCalls()
+    probes = calls.probes
     monkeypatch.setattr(pytrio, "ServiceClient", FakeServiceClient)
     monkeypatch.setattr(pytrio, "configure", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(backend, "_verify_with_pytrio", lambda cfg: probes.append(cfg))
     return calls
 
 
@@ -47,6 +67,12 @@ def fake_remote(monkeypatch):
 def no_env(monkeypatch):
     monkeypatch.delenv("TRIO_BACKEND", raising=False)
     monkeypatch.delenv("PYTRIO_API_KEY", raising=False)
+
+
+@pytest.fixture
+def logged_in(monkeypatch):
+    """pytrio "finds" a credential, without any key being set anywhere."""
+    monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: True)
 
 
 def test_offline_returns_the_offline_client(no_env, tmp_path, capsys):
@@ -62,12 +88,12 @@ def test_backend_name_is_case_and_space_insensitive(no_env, spelling):
     assert isinstance(trio_helpers.connect(spelling, latency=0.0), OfflineServiceClient)
 
 
-def test_trio_backend_env_is_respected(no_env, monkeypatch, fake_remote, capsys):
+def test_trio_backend_env_is_respected(no_env, monkeypatch, fake_remote, logged_in, capsys):
     monkeypatch.setenv("TRIO_BACKEND", "offline")
     assert isinstance(trio_helpers.connect(latency=0.0), OfflineServiceClient)
     monkeypatch.setenv("TRIO_BACKEND", "remote")
     assert isinstance(trio_helpers.connect(), FakeServiceClient)
-    assert len(fake_remote) == 1
+    assert fake_remote == []  # no options: pytrio's own settings are left alone
     # the argument wins over the environment
     assert isinstance(trio_helpers.connect("offline", latency=0.0), OfflineServiceClient)
     assert capsys.readouterr().out == ""
@@ -92,34 +118,117 @@ def test_auto_without_credentials_picks_offline_and_says_so(no_env, monkeypatch,
     assert isinstance(trio_helpers.connect("auto", latency=0.0), OfflineServiceClient)
 
 
-def test_auto_with_credentials_picks_remote(no_env, monkeypatch, fake_remote, capsys):
-    monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: True)
+def test_auto_with_credentials_picks_remote(no_env, fake_remote, logged_in, capsys):
     client = trio_helpers.connect("auto")
     assert isinstance(client, FakeServiceClient)
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "remote" in out and "TRIO_BACKEND=offline" in out
 
 
-def test_remote_passes_bounded_timeouts(no_env, fake_remote):
-    trio_helpers.connect("remote")
-    assert fake_remote == [backend.REMOTE_TIMEOUTS]
-    # bounded: an unreachable service fails in well under a minute, not after ~15 minutes of retries
-    assert backend.REMOTE_TIMEOUTS["retry_max_attempts"] <= 3
-    assert all(backend.REMOTE_TIMEOUTS[k] <= 30 for k in backend.REMOTE_TIMEOUTS if k.endswith("seconds"))
+def test_remote_keeps_pytrio_retry_windows_and_probes_under_short_ones(no_env, fake_remote, logged_in):
+    from pytrio.config.config import Configuration, configuration
+
+    before = configuration.model_dump()
+    client = trio_helpers.connect("remote")
+    assert isinstance(client, FakeServiceClient)
+    assert fake_remote == []  # nothing process-wide was configured
+    assert configuration.model_dump() == before  # in particular the 15-minute retry windows
+    (probe_cfg,) = fake_remote.probes
+    assert probe_cfg is not configuration  # the probe ran on a private copy
+    for name, value in backend.REMOTE_TIMEOUTS.items():
+        assert getattr(probe_cfg, name) == value
+    assert probe_cfg.training_retry_timeout_seconds == Configuration.model_fields[
+        "training_retry_timeout_seconds"].default
+    assert backend.active_backend() == "remote"
 
 
-def test_remote_timeouts_are_overridable(no_env, fake_remote):
-    trio_helpers.connect("remote", request_timeout_seconds=99, retry_max_attempts=7, log_level="DEBUG")
-    (settings,) = fake_remote
-    assert settings["request_timeout_seconds"] == 99 and settings["retry_max_attempts"] == 7
-    assert settings["log_level"] == "DEBUG"
-    assert settings["control_retry_timeout_seconds"] == backend.REMOTE_TIMEOUTS["control_retry_timeout_seconds"]
+def test_probe_bounds_fail_well_under_30_seconds():
+    # pytrio: first request (full timeout), then retries until the window closes, the last one finishing late
+    t = backend.REMOTE_TIMEOUTS
+    assert 2 * t["request_timeout_seconds"] + t["control_retry_timeout_seconds"] <= 25
 
 
-def test_remote_timeout_names_are_real_configure_keywords():
+def test_remote_options_are_configured_before_the_client(no_env, fake_remote, logged_in):
+    trio_helpers.connect("remote", training_retry_timeout_seconds=3600, log_level="DEBUG")
+    assert fake_remote == [{"training_retry_timeout_seconds": 3600, "log_level": "DEBUG"}]
+
+
+def test_remote_without_credentials_is_one_line_with_the_fix(no_env, fake_remote, monkeypatch):
+    from pytrio.errors.auth import AuthError
+
+    monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: False)
+    with pytest.raises(backend.MissingCredentialsError) as info:
+        trio_helpers.connect("remote")
+    message = str(info.value)
+    assert "\n" not in message and "trio login" in message and "PYTRIO_API_KEY" in message
+    assert isinstance(info.value, AuthError) and info.value.code == "auth.missing_api_key"
+    assert FakeServiceClient.instances == [] and fake_remote.probes == [] and fake_remote == []
+    assert backend.active_backend() is None
+
+
+def test_unreachable_service_fails_at_start_up_in_one_line(no_env, fake_remote, logged_in, monkeypatch):
+    from pytrio.errors.control import ControlAPIError
+
+    def unreachable(cfg):
+        raise ControlAPIError("All connection attempts failed", operation="GET /api/v1/api-keys/verify",
+                              retryable=True)
+
+    monkeypatch.setattr(backend, "_verify_with_pytrio", unreachable)
+    with pytest.raises(backend.ServiceUnreachableError) as info:
+        trio_helpers.connect("remote")
+    message = str(info.value)
+    assert "\n" not in message and "cannot reach" in message and "TRIO_BACKEND=offline" in message
+    assert FakeServiceClient.instances == []  # the real client is never created
+
+
+def test_probe_passes_non_retryable_errors_through(logged_in):
+    from pytrio.errors.auth import AuthError
+
+    def rejected(cfg):
+        raise AuthError("API key revoked", code="api_key_revoked")
+
+    with pytest.raises(AuthError, match="revoked"):
+        backend.probe_remote(verify=rejected)
+
+    def empty(cfg):
+        raise AuthError("API key cannot be empty", code="auth.missing_api_key")
+
+    with pytest.raises(backend.MissingCredentialsError):
+        backend.probe_remote(verify=empty)
+
+
+def test_probe_timeout_names_are_real_configure_keywords():
     # guards against drift: pytrio.configure silently collects unknown keywords
     accepted = set(inspect.signature(pytrio.configure).parameters)
     assert set(backend.REMOTE_TIMEOUTS) <= accepted
+
+
+def test_resolve_backend_matches_connect_without_printing(no_env, monkeypatch, capsys):
+    monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: False)
+    assert backend.resolve_backend() == "offline"
+    monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: True)
+    assert backend.resolve_backend() == "remote" and backend.resolve_backend("offline") == "offline"
+    monkeypatch.setenv("TRIO_BACKEND", "offline")
+    assert backend.resolve_backend() == "offline" and backend.resolve_backend("auto") == "remote"
+    assert capsys.readouterr().out == ""
+    assert backend.active_backend() is None  # resolving connects nothing
+
+
+def test_active_backend_follows_connect(no_env, monkeypatch, fake_remote, logged_in):
+    monkeypatch.setenv("TRIO_BACKEND", "remote")
+    assert backend.active_backend() is None and backend.backend_in_use() == "remote"
+    trio_helpers.connect("offline", latency=0.0)
+    assert backend.active_backend() == "offline" and backend.backend_in_use() == "offline"
+    trio_helpers.connect("remote")
+    assert backend.active_backend() == "remote"
+
+
+def test_bad_trio_backend_is_one_line_listing_the_choices(no_env, monkeypatch):
+    monkeypatch.setenv("TRIO_BACKEND", "gpu")
+    for call in (trio_helpers.connect, backend.resolve_backend, backend.backend_in_use):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert "\n" not in str(info.value) and "offline, remote, auto" in str(info.value)
 
 
 def test_unknown_offline_options(no_env):

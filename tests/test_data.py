@@ -1,6 +1,8 @@
-"""Tests of trio_helpers.data: loaders (offline, local folders, fake downloads) and annotation helpers.
+"""Tests of trio_helpers.data: loaders (offline, local folders, fake downloads), data following the backend,
+broken shards, and annotation helpers.
 
-Nothing here touches the network: the probe and the downloader are replaced where a real one would run.
+Nothing here touches the network: the probe and the downloader are replaced where a real one would run. "The real
+service is in use" is simulated by setting the backend module's record of the last connect(); no key is set.
 """
 
 from __future__ import annotations
@@ -12,8 +14,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trio_helpers import data
+from trio_helpers import backend, data
 from trio_helpers.offline import corpus
+
+
+@pytest.fixture(autouse=True)
+def before_any_connect(monkeypatch):
+    """Each test starts as a fresh process would: no connect() yet (restored afterwards)."""
+    monkeypatch.setattr(backend, "_ACTIVE", None)
+
+
+@pytest.fixture
+def real_service(monkeypatch):
+    """As after connect() returned the real service (nothing is contacted)."""
+    monkeypatch.setattr(backend, "_ACTIVE", "remote")
 
 
 @pytest.fixture
@@ -64,26 +78,76 @@ def test_auto_uses_offline_when_trio_backend_is_offline(monkeypatch, no_network,
     monkeypatch.chdir(tmp_path)
     assert data.load_gsm8k() == shipped("gsm8k_train.jsonl")
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "source=offline" in out and "TRIO_BACKEND=offline" in out
+    assert out.count("\n") == 1 and "source=offline" in out and "(offline backend)" in out
 
 
-def test_auto_falls_back_to_offline_without_network(online_env, monkeypatch, capsys):
+def test_data_follows_auto_backend_not_folders_or_network(online_env, monkeypatch, no_network, capsys, tmp_path):
+    """No TRIO_BACKEND, no credential, a real ./gsm8k folder and a reachable Hub: connect() would pick the offline
+    backend, so the data must be the offline corpus too (the silent mix this module used to allow)."""
+    monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: False)
+    monkeypatch.setattr(data, "_reachable", lambda *a, **k: pytest.fail("probed the network"))
+    write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", ROWS)
+    assert data.load_gsm8k("train") == shipped("gsm8k_train.jsonl")
+    assert data.load_deepmath(sample_size=3) == data.load_deepmath(source="offline", sample_size=3)
+    assert "(offline backend)" in capsys.readouterr().out
+
+
+def test_data_follows_the_backend_connect_returned(online_env, monkeypatch, no_network, capsys, tmp_path):
+    monkeypatch.setenv("TRIO_BACKEND", "remote")  # the environment says remote ...
+    import trio_helpers
+
+    trio_helpers.connect("offline", latency=0.0)  # ... but the service in use is offline
+    write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", ROWS)
+    assert data.load_gsm8k("train") == shipped("gsm8k_train.jsonl")
+
+
+def test_real_service_reads_a_local_folder(online_env, real_service, tmp_path, no_network, capsys):
+    write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", ROWS)
+    assert data.load_gsm8k("train") == ROWS  # finds ./gsm8k in the working directory
+    assert "(real service; found folder gsm8k)" in capsys.readouterr().out
+
+
+def test_real_service_never_falls_back_to_offline_data(online_env, real_service, monkeypatch):
     probed = []
     monkeypatch.setattr(data, "_reachable", lambda host, *a, **k: probed.append(host) or False)
-    assert data.load_gsm8k("test") == shipped("gsm8k_test.jsonl")
+    with pytest.raises(ConnectionError) as info:
+        data.load_gsm8k("test")
     assert probed == ["huggingface.co"]
-    assert "unreachable" in capsys.readouterr().out
+    assert "\n" not in str(info.value) and "modelscope download" in str(info.value)
 
 
-def test_auto_falls_back_to_offline_when_the_hub_fails(online_env, monkeypatch, capsys):
+def test_real_service_reports_a_failing_hub_in_one_line(online_env, real_service, monkeypatch):
     monkeypatch.setattr(data, "_reachable", lambda *a, **k: True)
 
     def broken_hub(split):
-        raise OSError("cache miss")
+        raise OSError("cache miss\nsecond line of a long message")
 
     monkeypatch.setattr(data, "_load_gsm8k_hf", broken_hub)
-    assert len(data.load_gsm8k("test")) == 300
-    assert "Hugging Face failed with OSError" in capsys.readouterr().out
+    with pytest.raises(ConnectionError, match="OSError: cache miss") as info:
+        data.load_gsm8k("test")
+    assert "\n" not in str(info.value)
+
+
+def test_explicit_source_against_the_backend_warns_in_one_line(monkeypatch, tmp_path, no_network, capsys):
+    monkeypatch.setenv("TRIO_BACKEND", "offline")
+    write_parquet(tmp_path / "gsm8k" / "main" / "test-00000-of-00001.parquet", ROWS)
+    assert data.load_gsm8k("test", source="local", path=str(tmp_path / "gsm8k")) == ROWS  # loaded, but ...
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "source='local'" in err and "offline" in err and "source='offline'" in err
+    monkeypatch.setattr(backend, "_ACTIVE", "remote")
+    data.load_gsm8k("test", source="offline")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "real service" in err and "source='auto'" in err
+    monkeypatch.setattr(backend, "_ACTIVE", "offline")
+    data.load_gsm8k("test", source="offline")
+    assert capsys.readouterr().err == ""  # agreeing sources are silent
+
+
+def test_bad_trio_backend_stops_the_auto_loader(monkeypatch):
+    monkeypatch.setenv("TRIO_BACKEND", "cloud")
+    with pytest.raises(ValueError, match="offline, remote, auto"):
+        data.load_gsm8k("train")
+    assert len(data.load_gsm8k("train", source="offline")) == 600  # an explicit source does not need it
 
 
 def test_hf_source_fails_fast_when_unreachable(online_env, monkeypatch):
@@ -115,12 +179,6 @@ def test_local_parquet_folder_like_modelscope(tmp_path, no_network, capsys):
     assert data.load_gsm8k("train", source="local", path=str(root)) == ROWS[:3]
     assert data.load_gsm8k("test", source="modelscope", path=str(root)) == ROWS[3:]
     assert "source=local" in capsys.readouterr().out
-
-
-def test_auto_prefers_a_local_folder(online_env, tmp_path, no_network, capsys):
-    write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", ROWS)
-    assert data.load_gsm8k("train") == ROWS  # finds ./gsm8k in the working directory
-    assert "found folder gsm8k" in capsys.readouterr().out
 
 
 def test_local_jsonl_folder(tmp_path, no_network):
@@ -229,7 +287,7 @@ def test_deepmath_other_validation(tmp_path):
         data.load_deepmath(source="local", local_dir=tmp_path)
 
 
-def test_deepmath_from_fake_modelscope(tmp_path, no_network, monkeypatch, capsys):
+def test_deepmath_from_fake_modelscope(tmp_path, no_network, real_service, monkeypatch, capsys):
     monkeypatch.delenv("TRIO_BACKEND", raising=False)
     fake = FakeDownloader(rows_per_shard=4)
     rows = data.load_deepmath(source="modelscope", sample_size=0, seed=3, num_shards=2,
@@ -241,6 +299,52 @@ def test_deepmath_from_fake_modelscope(tmp_path, no_network, monkeypatch, capsys
     assert len(fake.calls) == 2 and len(again) == 5  # auto found the shards; nothing downloaded
     assert again == data.load_deepmath(source="local", sample_size=5, seed=3, num_shards=2, local_dir=tmp_path)
     assert "found 2 shard(s)" in capsys.readouterr().out
+
+
+def test_deepmath_real_service_without_shards_or_network(tmp_path, real_service, monkeypatch):
+    monkeypatch.setattr(data, "_reachable", lambda *a, **k: False)
+    with pytest.raises(ConnectionError, match="source='local'"):
+        data.load_deepmath(local_dir=tmp_path)
+
+
+def truncate(path, keep=0.5):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(len(raw) * keep)])
+
+
+def test_truncated_shard_is_downloaded_again(tmp_path, no_network, real_service, capsys):
+    fake = FakeDownloader()
+    data.download_deepmath_shards(2, tmp_path, downloader=fake)
+    shard = tmp_path / data.deepmath_shard_name(1)
+    truncate(shard)  # e.g. copied while a download was still running
+    rows = data.load_deepmath(source="modelscope", sample_size=0, num_shards=2, local_dir=tmp_path,
+                              downloader=fake)
+    assert len(rows) == 8 and [c[0] for c in fake.calls[2:]] == [data.deepmath_shard_name(1)]
+    out = capsys.readouterr().out
+    assert f"{shard} is truncated or corrupt" in out and "downloading it again" in out
+
+
+def test_truncated_local_shard_is_named_with_the_fix(tmp_path, no_network):
+    data.download_deepmath_shards(1, tmp_path, downloader=FakeDownloader())
+    shard = tmp_path / data.deepmath_shard_name(0)
+    truncate(shard, keep=0.3)
+    with pytest.raises(ValueError) as info:
+        data.load_deepmath(source="local", local_dir=tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and str(shard) in message and "source='modelscope'" in message
+    shard.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        data.load_deepmath(source="local", local_dir=tmp_path)
+
+
+def test_shard_that_stays_broken_after_a_new_download(tmp_path, no_network):
+    def broken(remote_path, dest):
+        dest.write_bytes(b"PAR1 still broken")
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / data.deepmath_shard_name(0)).write_bytes(b"PAR1 broken")
+    with pytest.raises(ValueError, match="still unreadable after a fresh download"):
+        data.load_deepmath(source="modelscope", local_dir=tmp_path, downloader=broken)
 
 
 def test_offline_corpus_is_what_the_generator_writes():

@@ -2,8 +2,13 @@
 
 Real sources need the network or a local download; the ``"offline"`` source reads the small corpus
 shipped in ``trio_helpers/offline/data`` (written by ``python -m trio_helpers.offline.corpus``), the
-only data the offline models know. ``source="auto"`` picks the offline corpus whenever
-``TRIO_BACKEND=offline`` so that tests and CI never touch the network.
+only data the offline models know.
+
+Data follows the backend. With the default ``source="auto"`` the loaders read the offline corpus whenever the
+service in use is the offline backend, and real data only when it is the real service, whatever
+``TRIO_BACKEND``, a ``./gsm8k`` folder or the network say: the backend is the one the last ``connect()``
+returned, or, before any ``connect()``, the one it would choose (:func:`trio_helpers.backend.backend_in_use`).
+An explicit source that contradicts the backend is loaded, with a one-line warning on stderr naming both.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import random
 import re
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +43,26 @@ Downloader = Callable[[str, Path], None]
 # Small helpers
 
 
-def _offline_backend() -> bool:
-    return os.environ.get("TRIO_BACKEND", "").strip().lower() == "offline"
+def _backend() -> str:
+    """``"offline"`` or ``"remote"``: the backend in use, or the one ``connect()`` would choose."""
+    from trio_helpers.backend import backend_in_use  # lazy: imports pytrio
+
+    return backend_in_use()
+
+
+def _warn_if_mismatched(loader: str, source: str, real_fix: str) -> None:
+    """One line on stderr when an explicit source contradicts the backend (the data is still loaded)."""
+    try:
+        backend = _backend()
+    except ValueError:  # a bad TRIO_BACKEND is reported by connect(); an explicit source does not need it
+        return
+    if source != "offline" and backend == "offline":
+        print(f"{loader}: warning: source={source!r} is real data, but the backend in use is offline, whose "
+              f"models know only the offline corpus; use source='offline' (or the default 'auto'), or connect "
+              f"to the real service", file=sys.stderr)
+    elif source == "offline" and backend == "remote":
+        print(f"{loader}: warning: source='offline' is the book's synthetic corpus, but the backend in use is "
+              f"the real service; use source='auto' for {real_fix}, or connect('offline')", file=sys.stderr)
 
 
 def _reachable(host: str, port: int = 443, timeout: float = PROBE_TIMEOUT_S) -> bool:
@@ -143,18 +167,20 @@ def load_gsm8k(split: str = "train", source: str = "auto", path: str | None = No
             ``modelscope download --dataset AI-ModelScope/gsm8k --local_dir ./gsm8k``; reads
             ``main/{split}-*.parquet`` or ``{split}.jsonl`` directly, else ``datasets.load_dataset(path, "main")``;
             ``"offline"``: the generated corpus shipped with the package (600 train / 300 test problems);
-            ``"auto"``: offline when ``TRIO_BACKEND=offline``; else the local folder if ``path`` or
-            ``./gsm8k`` exists; else HF if huggingface.co answers a 2 s TCP probe (or ``HF_HUB_OFFLINE=1``
-            asks for the cache); else, or if HF fails, offline.
+            ``"auto"``: follows the backend (:func:`trio_helpers.backend.backend_in_use`): the offline corpus
+            on the offline backend, whatever folders or network exist; on the real service the local folder if
+            ``path`` or ``./gsm8k`` exists, else HF if huggingface.co answers a 2 s TCP probe (or
+            ``HF_HUB_OFFLINE=1`` asks for the cache), else an error: never synthetic data for a real model.
+            An explicit source that contradicts the backend is loaded with a one-line warning on stderr.
         path: the local folder for ``"local"`` / ``"modelscope"`` (and ``"auto"``).
     Returns:
         A list of dicts with exactly the keys ``question`` and ``answer`` (the answer ends with ``#### N``).
         Prints one line naming the source used.
     Raises:
-        ValueError: for an unknown split or source.
+        ValueError: for an unknown split or source, or an unknown ``TRIO_BACKEND`` (with ``"auto"``).
         FileNotFoundError: if a local folder is missing or holds no GSM8K files.
-        ConnectionError: for ``source="hf"`` when the Hub cannot be reached (fails in about 2 s,
-            never hangs); set ``HF_HUB_OFFLINE=1`` to read the Hugging Face cache instead.
+        ConnectionError: on the real service when no real source is reachable, or for ``source="hf"`` when the
+            Hub cannot be reached (fails in about 2 s, never hangs); one line with the fix.
 
     Introduced in: chapter 01 (notebooks/01_gsm8k_data).
     """
@@ -163,24 +189,32 @@ def load_gsm8k(split: str = "train", source: str = "auto", path: str | None = No
     local = path or "gsm8k"
     reason = ""
     if source == "auto":
-        if _offline_backend():
-            source, reason = "offline", "TRIO_BACKEND=offline"
+        if _backend() == "offline":
+            source, reason = "offline", "offline backend"
         elif Path(local).is_dir():
-            source, reason = "local", f"found folder {local}"
+            source, reason = "local", f"real service; found folder {local}"
         elif _hf_offline_mode() or _reachable(_hf_host()):
-            source, reason = "hf", "Hugging Face Hub"
+            source, reason = "hf", "real service; Hugging Face Hub"
         else:
-            source, reason = "offline", f"no local folder and {_hf_host()} is unreachable"
+            raise ConnectionError(
+                f"load_gsm8k: the real service is in use, but there is no folder {local!r} and {_hf_host()}:443 "
+                f"did not answer within {PROBE_TIMEOUT_S:.0f} s; download GSM8K once with `modelscope download "
+                f"--dataset AI-ModelScope/gsm8k --local_dir ./gsm8k`, or set HF_HUB_OFFLINE=1 to read the cache")
+    else:
+        _warn_if_mismatched("load_gsm8k", source, "real GSM8K")
     if source == "offline":
         records = _load_gsm8k_offline(split)
     elif source in ("local", "modelscope"):
         records = _load_gsm8k_local(Path(local), split)
-    elif reason:  # "auto" chose the Hub: fall back to the offline corpus if it fails
+    elif reason:  # "auto" chose the Hub for the real service: a failure is reported, never replaced by offline data
         try:
             records = _load_gsm8k_hf(split)
-        except Exception as err:  # noqa: BLE001 - any Hub or cache failure means "use the offline corpus"
-            source, reason = "offline", f"Hugging Face failed with {type(err).__name__}"
-            records = _load_gsm8k_offline(split)
+        except Exception as err:  # noqa: BLE001 - re-raised as one line with the fix
+            first = (str(err).splitlines() or [""])[0][:120]
+            raise ConnectionError(
+                f"load_gsm8k: reading openai/gsm8k from the Hugging Face Hub failed ({type(err).__name__}: "
+                f"{first}); download it once with `modelscope download --dataset AI-ModelScope/gsm8k "
+                f"--local_dir ./gsm8k` and it is read from there") from err
     else:
         records = _load_gsm8k_hf(split)
     _say(f"load_gsm8k: source={source} split={split} records={len(records)}" + (f" ({reason})" if reason else ""))
@@ -306,12 +340,56 @@ def download_deepmath_shards(num_shards: int = 1, local_dir: str | Path = "deepm
     return paths
 
 
+def _shard_problem(path: Path) -> str | None:
+    """None if ``path`` opens as a parquet file with a ``question`` column, else what is wrong (one line).
+
+    Reads only the footer (the schema and row-group index), so it is cheap even for large shards; a download cut
+    off part-way has no footer and is caught here.
+    """
+    import pyarrow.parquet as pq  # lazy: installed with datasets
+
+    try:
+        names = pq.ParquetFile(path).schema_arrow.names
+    except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+        return (str(err).splitlines() or [type(err).__name__])[0][:120]
+    return None if "question" in names else f"no 'question' column (columns: {names})"
+
+
+def _check_shards(paths: list[Path], get_repair: Callable[[], Downloader | None]) -> None:
+    """Every shard must open; a broken one is downloaded again with ``get_repair()``, or named with the fix.
+
+    ``get_repair`` is called only when a shard is broken, so healthy shards never cost a network probe.
+    """
+    for path in paths:
+        problem = _shard_problem(path)
+        if problem is None:
+            continue
+        repair = get_repair()
+        if repair is not None:
+            _say(f"load_deepmath: {path} is truncated or corrupt ({problem}); downloading it again")
+            path.unlink()
+            download_deepmath_shards(len(paths), path.parent.parent, repair)
+            problem = _shard_problem(path)
+            if problem is None:
+                continue
+            raise ValueError(f"DeepMath shard {path} is still unreadable after a fresh download ({problem}); "
+                             "check the mirror, or delete the folder and try again later")
+        raise ValueError(f"DeepMath shard {path} is truncated or corrupt ({problem}); delete it and load with "
+                         "source='modelscope' to download it again")
+
+
 def _read_deepmath_parquet(paths: list[Path], cache_dir: Path, sample_size: int, seed: int) -> list[dict]:
     """Read shards with datasets' parquet loader, shuffle with the seed and keep ``sample_size`` rows."""
     import datasets  # lazy: heavy
 
-    ds = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train",
-                               cache_dir=str(cache_dir))
+    try:
+        ds = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train",
+                                   cache_dir=str(cache_dir))
+    except Exception as err:  # noqa: BLE001 - a data page damaged inside a shard whose footer is intact
+        first = (str(err).splitlines() or [""])[0][:120]
+        raise ValueError(f"reading the DeepMath shards {[p.name for p in paths]} failed ({type(err).__name__}: "
+                         f"{first}); delete the damaged shard and load with source='modelscope' to download it "
+                         "again") from err
     keep = [c for c in DEEPMATH_COLUMNS if c in ds.column_names]
     if "question" not in keep:
         raise ValueError(f"the DeepMath shards have no 'question' column (columns: {ds.column_names})")
@@ -328,8 +406,10 @@ def load_deepmath(source: str = "auto", sample_size: int = 1000, seed: int = 42,
     Args:
         source: ``"modelscope"`` (download the missing shards of ``zwhe99/DeepMath-103K``, then read them),
             ``"local"`` (read shards already in ``local_dir``), ``"offline"`` (the generated prompt set
-            shipped with the package, 300 problems) or ``"auto"`` (offline when ``TRIO_BACKEND=offline``,
-            else local shards if present, else ModelScope if reachable, else offline).
+            shipped with the package, 300 problems) or ``"auto"``, which follows the backend
+            (:func:`trio_helpers.backend.backend_in_use`): offline on the offline backend; on the real service
+            local shards if present, else ModelScope if reachable (or a ``downloader`` is given), else an error.
+            An explicit source that contradicts the backend is loaded with a one-line warning on stderr.
         sample_size: how many records to keep after shuffling; ``<= 0`` keeps all.
         seed: the shuffle seed.
         num_shards: how many of the 10 parquet shards to use (1..10; each holds about 10k problems).
@@ -339,8 +419,11 @@ def load_deepmath(source: str = "auto", sample_size: int = 1000, seed: int = 42,
         A list of dicts with ``question`` and, when the source has them, ``final_answer`` and ``difficulty``.
         Prints one line naming the source used.
     Raises:
-        ValueError: for an unknown source, a num_shards outside 1..10, or non-int sample_size / seed.
+        ValueError: for an unknown source, a num_shards outside 1..10, non-int sample_size / seed, or a
+            truncated or corrupt shard that cannot be downloaded again (the message names the file and the fix;
+            with ``"modelscope"``, or ``"auto"`` when ModelScope is reachable, a broken shard is downloaded again).
         FileNotFoundError: for ``source="local"`` when shards are missing.
+        ConnectionError: ``"auto"`` on the real service with no local shards and ModelScope unreachable.
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
@@ -353,15 +436,22 @@ def load_deepmath(source: str = "auto", sample_size: int = 1000, seed: int = 42,
     root = Path(local_dir)
     wanted = [root / deepmath_shard_name(i) for i in range(num_shards)]
     reason = ""
+    repair: Callable[[], Downloader | None] = lambda: None  # noqa: E731 - how to fix a broken shard, if at all
     if source == "auto":
-        if _offline_backend():
-            source, reason = "offline", "TRIO_BACKEND=offline"
+        if _backend() == "offline":
+            source, reason = "offline", "offline backend"
         elif all(p.exists() for p in wanted):
-            source, reason = "local", f"found {num_shards} shard(s) in {local_dir}"
+            source, reason = "local", f"real service; found {num_shards} shard(s) in {local_dir}"
+            repair = lambda: downloader or (modelscope_downloader if _reachable("modelscope.cn") else None)  # noqa: E731
         elif downloader is not None or _reachable("modelscope.cn"):
-            source, reason = "modelscope", "downloading missing shards"
+            source, reason = "modelscope", "real service; downloading missing shards"
         else:
-            source, reason = "offline", "no local shards and modelscope.cn is unreachable"
+            raise ConnectionError(
+                f"load_deepmath: the real service is in use, but {local_dir!r} lacks {num_shards} shard(s) and "
+                f"modelscope.cn:443 did not answer within {PROBE_TIMEOUT_S:.0f} s; copy the shards into "
+                f"{local_dir!r}/data/ and use source='local'")
+    else:
+        _warn_if_mismatched("load_deepmath", source, "DeepMath-103K")
     if source == "offline":
         records = _read_jsonl(OFFLINE_DIR / "deepmath.jsonl")
         random.Random(seed).shuffle(records)
@@ -369,10 +459,12 @@ def load_deepmath(source: str = "auto", sample_size: int = 1000, seed: int = 42,
     else:
         if source == "modelscope":
             download_deepmath_shards(num_shards, root, downloader)
+            repair = lambda: downloader or modelscope_downloader  # noqa: E731
         missing = [p.name for p in wanted if not p.exists()]
         if missing:
             raise FileNotFoundError(f"missing DeepMath shards in {str(local_dir)!r}: {missing}; "
                                     f"use source='modelscope' to download them")
+        _check_shards(wanted, repair)
         records = _read_deepmath_parquet(wanted, root / ".hf_cache", sample_size, seed)
     _say(f"load_deepmath: source={source} records={len(records)}" + (f" ({reason})" if reason else ""))
     return records

@@ -397,3 +397,81 @@ def test_plus_minus_reward_levels(response: str, n: int) -> None:
     reward = reward_plus_minus(response, str(n))
     assert reward in (1.0, -0.5, -1.0)
     assert (reward == -1.0) == (extract_answer_flexible(response) is None)
+
+
+# ---------------------------------------------------------------------------
+# Hostile model output: the graders return a reward, never raise, never stall
+# ---------------------------------------------------------------------------
+
+HOSTILE = [
+    "1" * 100_000,
+    "\\boxed{" + "1" * 100_000 + "}",
+    "\\boxed{0." + "1" * 100_000 + "}",
+    "\\boxed{" + "1" * 5000 + "/" + "3" * 5000 + "}",
+    "1e999999",
+    "\\boxed{1e999999}",
+    "{" * 50_000 + "}" * 50_000,
+    "\\boxed{" * 20_000,
+    "\\boxed{" + "{" * 50_000 + "18" + "}" * 50_000 + "}",
+    "NaN", "\\boxed{NaN}", "\\boxed{nan}", "\\boxed{inf}", "\\boxed{-inf}",
+    "\\boxed{9^{9^{9^{9}}}}", "\\boxed{10^{10^{10}}}", "\\boxed{2^{1000000}}",
+    "\\boxed{1/0}", "\\boxed{\\frac{1}{0}}", "\\boxed{0/0}",
+    "1," * 50_000, "The answer is " + "9" * 50_000, "#### " + "9" * 50_000,
+    "\\boxed{1" + " dollars" * 20_000 + "}", "\\boxed{\\text{" * 10_000, "\x00\ufffd\u202e", "",
+]
+GRADERS = {
+    "grade_answer": (grade_answer, {0.0, 1.0}),
+    "grade_answer_flexible": (grade_answer_flexible, {0.0, 1.0}),
+    "reward_plus_minus": (reward_plus_minus, {1.0, -0.5, -1.0}),
+}
+
+
+@pytest.mark.parametrize("response", HOSTILE, ids=[repr(h[:24]) + f"...{len(h)}" for h in HOSTILE])
+def test_graders_never_raise_on_hostile_output(response: str) -> None:
+    import time
+
+    started = time.monotonic()
+    for name, (grade, levels) in GRADERS.items():
+        assert grade(response, "18") in levels, name
+    assert answers_match(response, "18") in (True, False)
+    assert parse_number(normalize_answer(response)) is None or len(response) < 1000
+    assert time.monotonic() - started < 5, "a grader stalled"
+
+
+def test_a_huge_number_is_wrong_not_an_error() -> None:
+    assert grade_answer("\\boxed{" + "1" * 100_000 + "}", "18") == 0.0
+    assert reward_plus_minus("The answer is " + "9" * 50_000, "18") == -0.5  # an answer, just not 18
+    assert answers_match("1" * 5000, "1" * 5000)  # too long to be a number, equal as text
+
+
+@pytest.mark.parametrize("response", ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{10^{10^{10}}}", "10^10^10", "2**2**30",
+                                      "\\boxed{" + "1" * 100_000 + "}", "{" * 5000, "\\boxed{NaN}"])
+def test_math_verify_cross_check_never_raises_or_hangs(response: str) -> None:
+    pytest.importorskip("math_verify")
+    assert grade_with_math_verify(response, "18") == 0.0
+
+
+def test_markdown_bold_is_not_a_power_tower() -> None:
+    pytest.importorskip("math_verify")
+    assert grade_with_math_verify("**Step 1** adds, **Step 2** doubles: $\\boxed{18}$", "18") == 1.0
+
+
+_hostile_pieces = st.sampled_from(["\\boxed{", "}", "{", "\\frac", "^", "**", "e", "E", "9" * 3000, "0.", ".",
+                                   ",", "/", "-", "\u2212", "#### ", "The answer is ", "NaN", "inf", "$", "\\,",
+                                   "\\text{", "%", " dollars", "\n", "x = "])
+
+
+@PROPERTY
+@given(st.lists(_hostile_pieces | st.text(max_size=20), max_size=30), st.integers(min_value=1, max_value=40))
+def test_graders_return_a_level_for_any_mix_of_hostile_pieces(pieces: list[str], repeat: int) -> None:
+    response = "".join(pieces) * repeat
+    for name, (grade, levels) in GRADERS.items():
+        assert grade(response, "18") in levels, name
+
+
+@PROPERTY
+@given(st.text())
+def test_graders_return_a_level_for_any_text(response: str) -> None:
+    for name, (grade, levels) in GRADERS.items():
+        assert grade(response, "18") in levels, name
+        assert grade(response, "3/4") in levels, name

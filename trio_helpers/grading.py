@@ -27,6 +27,7 @@ __all__ = [
     "grade_answer_flexible",
     "reward_plus_minus",
     "grade_with_math_verify",
+    "MAX_NUMBER_CHARS",
 ]
 
 # ---------------------------------------------------------------------------
@@ -209,6 +210,9 @@ def _strip_delimiters(t: str) -> str:
     return t
 
 
+MAX_NUMBER_CHARS = 1000
+"""Longest normalised answer :func:`parse_number` reads as a number; longer strings are compared as text."""
+
 _DECIMAL = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _PLAIN_NUMBER = re.compile(rf"^{_DECIMAL}$")
 _SLASH_FRACTION = re.compile(rf"^({_DECIMAL})\s*/\s*({_DECIMAL})$")
@@ -220,7 +224,10 @@ def parse_number(s: str) -> Fraction | None:
 
     Accepts integers and decimals (``-3``, ``18.00``, ``.5``), ``a/b`` and ``\\frac{a}{b}``
     (also ``\\frac12``) with an optional sign in front or in the numerator. Scientific
-    notation, powers, roots and mixed numbers are not numbers under this rule.
+    notation, powers, roots and mixed numbers are not numbers under this rule, and neither
+    is anything longer than :data:`MAX_NUMBER_CHARS` characters (``"1" * 100000`` or a
+    5,000-digit decimal is no answer to a word problem, and exact arithmetic on it could be
+    slow), so hostile model output never raises or stalls a grader.
 
     Args:
         s: a string, usually the output of :func:`normalize_answer`.
@@ -237,14 +244,19 @@ def parse_number(s: str) -> Fraction | None:
     if not isinstance(s, str):
         raise TypeError(f"s must be a str (a normalised answer), got {type(s).__name__}")
     t = s.strip()
-    if _PLAIN_NUMBER.match(t):
-        return Fraction(t)
-    if match := _SLASH_FRACTION.match(t):
-        return _ratio("", match.group(1), match.group(2))
-    if match := _LATEX_FRACTION.match(t):
-        numerator = match.group(2) or match.group(3)
-        denominator = match.group(4) or match.group(5)
-        return _ratio(match.group(1), numerator, denominator)
+    if len(t) > MAX_NUMBER_CHARS:  # no answer is that long; Python refuses int("1" * 5000) anyway
+        return None
+    try:
+        if _PLAIN_NUMBER.match(t):
+            return Fraction(t)
+        if match := _SLASH_FRACTION.match(t):
+            return _ratio("", match.group(1), match.group(2))
+        if match := _LATEX_FRACTION.match(t):
+            numerator = match.group(2) or match.group(3)
+            denominator = match.group(4) or match.group(5)
+            return _ratio(match.group(1), numerator, denominator)
+    except (ValueError, ZeroDivisionError, OverflowError):  # a grader never raises on what a model wrote
+        return None
     return None
 
 
@@ -466,22 +478,42 @@ def reward_plus_minus(
 # ---------------------------------------------------------------------------
 
 
+_POWER_OPEN = re.compile(r"\^\s*\{")
+_BARE_TOWER = re.compile(r"\^\s*[\w.]+\s*\^|\w\*\*[\w.(]+\*\*[\w(]")  # not markdown **bold**
+
+
+def _has_power_tower(text: str) -> bool:
+    """True when an exponent contains another power (``9^{9^{9^{9}}}``, ``10^10^10``, ``2**2**30``)."""
+    if _BARE_TOWER.search(text):
+        return True
+    for match in _POWER_OPEN.finditer(text):
+        close = _closing_brace(text, match.end() - 1)
+        exponent = text[match.end() : close if close is not None else len(text)]
+        if "^" in exponent or "**" in exponent:
+            return True
+    return False
+
+
 def grade_with_math_verify(response: str, gold: str) -> float:
     """Grade with Hugging Face math-verify, for cross-checking our rules.
 
     Parses the gold (wrapped in ``$...$``) and the whole response with
     ``math_verify.parse`` and compares them with ``math_verify.verify``. Both timeouts
     are disabled (``parsing_timeout=None``, ``timeout_seconds=None``) because math-verify
-    implements them with ``signal.alarm``, which fails outside the main thread and
-    interferes with notebook kernels; the inputs here are short. math-verify logs one
-    warning about the disabled timeout through the ``math_verify`` logger.
+    implements them with ``signal.alarm``, which fails outside the main thread. Without a
+    timeout, two kinds of model output are handled here instead: a response with a power
+    tower (an exponent that contains another power, such as ``9^{9^{9^{9}}}``, which SymPy
+    would try to evaluate and never finish) earns 0.0 without being parsed, and any
+    exception math-verify raises on a response earns 0.0. math-verify logs one warning
+    about the disabled timeout through the ``math_verify`` logger.
 
     Args:
         response: a model response.
         gold: the reference answer.
 
     Returns:
-        1.0 if math-verify judges them equal, else 0.0.
+        1.0 if math-verify judges them equal, else 0.0 (also for refused or unparseable
+        responses).
 
     Raises:
         TypeError: if an argument is not a string.
@@ -495,7 +527,12 @@ def grade_with_math_verify(response: str, gold: str) -> float:
         )
     from math_verify import parse, verify
 
+    if _has_power_tower(response):
+        return 0.0
     gold_text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
-    parsed_gold = parse(gold_text, parsing_timeout=None)
-    parsed_response = parse(response, parsing_timeout=None)
-    return 1.0 if verify(parsed_gold, parsed_response, timeout_seconds=None) else 0.0
+    try:
+        parsed_gold = parse(gold_text, parsing_timeout=None)
+        parsed_response = parse(response, parsing_timeout=None)
+        return 1.0 if verify(parsed_gold, parsed_response, timeout_seconds=None) else 0.0
+    except Exception:  # noqa: BLE001 - a grader never raises on what a model wrote
+        return 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 SWANLAB_MODES = ("online", "offline", "disabled")
@@ -47,8 +48,10 @@ class MetricsLogger:
             file is replaced, so a fresh run never mixes with an old one.
 
     Raises:
-        ValueError: an unknown ``swanlab`` mode.
-        RuntimeError: SwanLab could not start (e.g. ``"online"`` without a login); the message says what to do.
+        ValueError: an unknown ``swanlab`` mode, or one that cannot work here (:func:`check_swanlab`: ``"online"``
+            without a login, SwanLab not installed); raised before anything is written. Also: ``resume`` with a
+            ``metrics.jsonl`` whose middle is corrupt (the message names the file and line).
+        RuntimeError: SwanLab could not start for another reason; the message says what to do.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -62,21 +65,25 @@ class MetricsLogger:
         experiment_name: str | None = None,
         resume: bool = False,
     ) -> None:
-        if swanlab not in SWANLAB_MODES:
-            raise ValueError(f"swanlab must be one of {', '.join(map(repr, SWANLAB_MODES))}, got {swanlab!r}")
+        check_swanlab(swanlab)  # before any file is touched: a bad mode never costs a reset metrics.jsonl
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.path = self.run_dir / METRICS_FILE if self.run_dir is not None else None
         self.swanlab_mode = swanlab
         self._rows: list[dict] = []
         self._run = None
-        if self.path is not None:
+        if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if resume and self.path.exists():
-                self._rows = _read_jsonl(self.path)
-            else:
-                self.path.write_text("", encoding="utf-8")
         if swanlab != "disabled":
             self._run = _start_swanlab(swanlab, project, config, experiment_name, self.run_dir)
+        try:
+            if self.path is not None:
+                if resume and self.path.exists():
+                    self._rows = _read_jsonl(self.path, repair=True)
+                else:
+                    self.path.write_text("", encoding="utf-8")
+        except BaseException:
+            self.close()
+            raise
 
     def __repr__(self) -> str:
         where = str(self.path) if self.path is not None else "memory"
@@ -133,16 +140,83 @@ class MetricsLogger:
         self.close()
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+def _read_jsonl(path: Path, repair: bool = False) -> list[dict]:
+    """The rows of a metrics file. A torn last line (a hard kill mid-write) is dropped with a one-line message on
+    stderr, and with ``repair`` also cut from the file, so that the next row is not glued onto it; a corrupt line
+    before the last is an error naming the file and the line."""
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    lines = raw.split("\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    rows: list[dict] = []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            if k < len(numbered) - 1:
+                raise ValueError(f"{path}: line {number} is not a JSON row ({err}); the file is corrupt before its "
+                                 "last line, so it cannot be resumed safely: fix or delete that line") from None
+            print(f"{path}: dropped the partial last row (line {number}, {len(line)} characters), left by a run "
+                  "stopped while writing it", file=sys.stderr)
+            if repair:
+                keep = "".join(f"{good}\n" for _, good in numbered[:k])
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(keep, encoding="utf-8")
+                os.replace(tmp, path)
+            break
+        rows.append(row)
+    return rows
+
+
+def check_swanlab(mode: str) -> None:
+    """Raise ``ValueError`` (one line, with the fix) unless SwanLab can run in ``mode`` here; cheap, creates nothing.
+
+    Call it before any model is created or any run file is reset (``MetricsLogger`` calls it first thing):
+    ``"disabled"`` always works; ``"offline"`` needs the ``swanlab`` package; ``"online"`` also needs a login
+    (``SWANLAB_API_KEY``, or the ``.netrc`` that ``swanlab login`` writes under ``~/.swanlab``), because without one
+    SwanLab asks for a key on the terminal, and raises when there is none (a notebook kernel, CI, ``nohup``).
+
+    Raises:
+        ValueError: an unknown mode, SwanLab missing, or ``"online"`` without a login.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    if mode not in SWANLAB_MODES:
+        raise ValueError(f"swanlab mode must be one of {', '.join(map(repr, SWANLAB_MODES))}, got {mode!r}")
+    if mode == "disabled":
+        return
+    try:
+        import swanlab  # noqa: F401 - lazy: only when SwanLab is enabled
+    except ImportError:
+        raise ValueError(f"SwanLab mode {mode!r} needs the swanlab package (pip install swanlab); or use "
+                         "--no-swanlab (swanlab='disabled')") from None
+    if mode == "online" and not _swanlab_logged_in():
+        raise ValueError("SwanLab mode 'online' needs a login and none was found (SWANLAB_API_KEY or `swanlab "
+                         "login`); use --no-swanlab or --swanlab offline (swanlab='offline'), or log in first")
+
+
+def _swanlab_logged_in() -> bool:
+    """Whether SwanLab would find an API key, read the way SwanLab 0.10 reads it (environment, then .netrc files)."""
+    if os.environ.get("SWANLAB_API_KEY", "").strip():
+        return True
+    try:
+        from swanlab.sdk.internal.settings import Settings
+
+        return bool(Settings().api_key)
+    except Exception:  # noqa: BLE001 - another SwanLab version: look for the files `swanlab login` writes
+        root = Path(os.environ.get("SWANLAB_ROOT") or os.environ.get("SWANLAB_SAVE_DIR") or Path.home() / ".swanlab")
+        return (root / ".netrc").is_file() or (Path.cwd() / ".swanlab" / ".netrc").is_file()
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The rows of ``run_dir/metrics.jsonl``, in file order.
 
+    A torn last line (a run killed while writing it) is skipped with a one-line message on stderr.
+
     Raises:
         FileNotFoundError: the run directory has no metrics file.
+        ValueError: a corrupt line before the last (the message names the file and line).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """

@@ -212,3 +212,44 @@ def test_jsonl_round_trip(tiny, tmp_path) -> None:
     bad.write_text(json.dumps({"problem_id": 0}) + "\n")
     with pytest.raises(ValueError, match="line 1 lacks"):
         load_records(bad)
+
+
+def test_wilson_interval_known_values_and_edges() -> None:
+    from trio_helpers.evaluation import wilson_interval
+
+    est = wilson_interval(8, 10)
+    assert (round(est.low, 4), round(est.high, 4)) == (0.4902, 0.9433) and est.value == 0.8 and est.n == 10
+    zero = wilson_interval(0, 50)
+    z2 = 1.959963984540054 ** 2
+    assert zero.low == 0.0 and zero.high == pytest.approx(z2 / (50 + z2)) and zero.high > 0.07  # never zero width
+    full = wilson_interval(50, 50)
+    assert full.high == 1.0 and full.low == pytest.approx(1 - zero.high)
+    for k in range(0, 31):  # mirror symmetry
+        a, b = wilson_interval(k, 30), wilson_interval(30 - k, 30)
+        assert a.low == pytest.approx(1 - b.high) and a.high == pytest.approx(1 - b.low)
+    assert wilson_interval(5, 10, confidence=0.5).high < wilson_interval(5, 10).high
+    for bad in ((11, 10), (-1, 10), (0, 0), (1.0, 10), (True, 10)):
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
+    with pytest.raises(ValueError, match="confidence"):
+        wilson_interval(1, 10, confidence=95)
+
+
+def test_wilson_interval_covers_about_95_percent() -> None:
+    from trio_helpers.evaluation import wilson_interval
+
+    rng = np.random.default_rng(0)
+    for p in (0.02, 0.5, 0.9):
+        ks = rng.binomial(30, p, size=4000)
+        covered = np.mean([wilson_interval(int(k), 30).low <= p <= wilson_interval(int(k), 30).high for k in ks])
+        assert 0.92 <= covered <= 0.99, (p, covered)
+
+
+def test_format_summary_fits_the_page() -> None:
+    from trio_helpers.evaluation import format_summary
+
+    row = {"model": "trained", "n": 256, "correct": 256, "accuracy": 1.0, "low": 1.0, "high": 1.0,
+           "wrong_number": 0, "format": 0, "truncated": 0, "no_answer": 0}
+    text = format_summary([row, dict(row, model="base", correct=7, accuracy=7 / 256)])
+    assert max(len(line) for line in text.splitlines()) <= 92
+    assert "256/256" in text and "[100.0%, 100.0%]" in text

@@ -4,8 +4,10 @@
   transient errors, and return one plain-dict record per sample, in dataset order;
 - :func:`save_records` / :func:`load_records`: keep those records as JSONL, so two runs can be compared later
   without sampling again;
-- :func:`accuracy_with_ci`, :func:`paired_bootstrap`, :func:`mcnemar_exact`: a bootstrap confidence interval for an
-  accuracy and two paired comparisons of two models on the same problems;
+- :func:`accuracy_with_ci`, :func:`wilson_interval`, :func:`paired_bootstrap`, :func:`mcnemar_exact`: a bootstrap
+  confidence interval for an accuracy, the Wilson score interval for ``k`` of ``n`` (better for small ``n`` and for
+  accuracies near 0% or 100%, where the bootstrap interval collapses to a point), and two paired comparisons of two
+  models on the same problems;
 - :func:`pass_at_k` and :func:`pass_at_k_curve`: the unbiased pass@k estimator from ``n`` samples per problem;
 - :func:`failure_category` and :func:`grading_note`: why a response earned no reward.
 
@@ -301,6 +303,48 @@ def accuracy_with_ci(correct, confidence: float = 0.95, n_boot: int = 10_000, se
     return Estimate(float(x.mean()), float(low), float(high), int(x.size))
 
 
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> Estimate:
+    """The Wilson score interval (Wilson, 1927) for a success rate of ``k`` successes in ``n`` trials.
+
+    It inverts the normal test of a proportion: the interval holds every rate ``p`` for which ``k / n`` is within
+    ``z`` standard errors ``sqrt(p (1 - p) / n)`` of ``p``, which gives
+
+    ``(p_hat + z^2 / (2n) +- z * sqrt(p_hat (1 - p_hat) / n + z^2 / (4 n^2))) / (1 + z^2 / n)``.
+
+    Unlike the bootstrap and the plain normal interval, it never has zero width: at ``k = 0`` it is
+    ``[0, z^2 / (n + z^2)]`` (about ``[0%, 7.1%]`` for ``n = 50``), so "0 of 50" is not read as "exactly 0%". Use it
+    when ``n`` is small or the rate is near 0 or 1.
+
+    Args:
+        k: successes (0..n), e.g. correct answers.
+        n: trials (>= 1), e.g. problems.
+        confidence: the interval's coverage, in (0, 1).
+
+    Returns:
+        :class:`Estimate` with ``value = k / n``.
+
+    Raises:
+        ValueError: ``n < 1``, ``k`` outside [0, n], non-integers, or ``confidence`` outside (0, 1).
+
+    Introduced in: chapter 07 (notebooks/07_evaluation).
+    """
+    from statistics import NormalDist
+
+    for name, v in (("k", k), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+    if n < 1 or not 0 <= k <= n:
+        raise ValueError(f"need n >= 1 and 0 <= k <= n; got k={k}, n={n}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), e.g. 0.95; got {confidence!r}")
+    z = NormalDist().inv_cdf((1 + confidence) / 2)
+    p = k / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return Estimate(float(p), float(max(0.0, centre - half)), float(min(1.0, centre + half)), int(n))
+
+
 def paired_bootstrap(a, b, confidence: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> dict:
     """Bootstrap interval for the difference ``mean(b) - mean(a)`` of two models scored on the same problems.
 
@@ -514,19 +558,23 @@ def summary_rows(runs: dict[str, Sequence[dict]], confidence: float = 0.95, n_bo
 
 
 def format_summary(rows: Sequence[dict], confidence: float = 0.95) -> str:
-    """The rows of :func:`summary_rows` as an aligned text table.
+    """The rows of :func:`summary_rows` as an aligned text table, at most 92 characters wide for short model names.
+
+    Columns: the model, ``correct`` as ``k/n``, the accuracy, its bootstrap interval, then the count of each failure
+    category (:data:`FAILURE_CATEGORIES` after ``correct``).
 
     Introduced in: chapter 07 (notebooks/07_evaluation).
     """
-    width = max(8, *(len(r["model"]) for r in rows))
+    width = max(5, *(len(r["model"]) for r in rows))
     ci = f"{confidence:.0%} CI"
-    head = (f"{'model':<{width}}  {'n':>4}  {'correct':>7}  {'accuracy':>8}  {ci:>16}  "
-            + "  ".join(f"{c:>12}" for c in FAILURE_CATEGORIES[1:]))
+    fails = FAILURE_CATEGORIES[1:]
+    head = f"{'model':<{width}}  {'correct':>7}  {'accuracy':>8}  {ci:>16}  " + "  ".join(fails)
     lines = [head]
     for r in rows:
         interval = f"[{r['low']:.1%}, {r['high']:.1%}]"
-        lines.append(f"{r['model']:<{width}}  {r['n']:>4}  {r['correct']:>7}  {r['accuracy']:>8.1%}  {interval:>16}  "
-                     + "  ".join(f"{r[c]:>12}" for c in FAILURE_CATEGORIES[1:]))
+        counts = "  ".join(f"{r[c]:>{len(c)}}" for c in fails)
+        lines.append(f"{r['model']:<{width}}  {str(r['correct']) + '/' + str(r['n']):>7}  {r['accuracy']:>8.1%}  "
+                     f"{interval:>16}  {counts}")
     return "\n".join(lines)
 
 

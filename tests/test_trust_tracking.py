@@ -90,3 +90,21 @@ def test_a_corrupt_middle_line_is_an_error_naming_file_and_line(tmp_path):
     assert "\n" not in message and f"{run / METRICS_FILE}: line 2" in message
     with pytest.raises(ValueError, match="line 2"):
         read_metrics(run)
+
+
+def test_plot_metric_labels_every_line():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trio_helpers.plotting import plot_metric
+
+    history = [{"step": i, "reward/mean": i / 10} for i in range(8)]
+    for window in (1, 4):
+        fig, ax = plt.subplots()
+        plot_metric(ax, history, "reward/mean", window=window, label="reward")
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels and all(not label.startswith("_") for label in labels), labels
+        assert labels[0] == "reward (each step)"
+        plt.close(fig)

@@ -39,9 +39,11 @@ def plot_metric(ax, history: Sequence[dict], key: str, window: int = 5, label: s
     Args:
         ax: a matplotlib ``Axes``.
         history: rows with ``"step"`` and ``key`` (``GRPOResult.history`` or ``read_metrics(run_dir)``).
-        key: the metric, e.g. ``"reward"``.
+        key: the metric, e.g. ``"reward/mean"``.
         window: rolling-mean window in steps (1 = no smoothing line).
-        label: legend label of the smoothed line (default: the key).
+        label: the metric's name in the legend (default: the key); the raw line is labelled
+            ``"<label> (each step)"`` and the smoothed one ``"<label> (<window>-step mean)"``, so every line drawn
+            has a legend entry.
         color: matplotlib colour for both lines.
 
     Returns:
@@ -55,10 +57,11 @@ def plot_metric(ax, history: Sequence[dict], key: str, window: int = 5, label: s
     steps = [row["step"] for row in history]
     values = [row[key] for row in history]
     raw = np.array([np.nan if v is None else v for v in values], dtype=float)
-    line = ax.plot(steps, raw, lw=0.8, alpha=0.45, color=color, marker=".", ms=3)[0]
+    name = label or key
+    line = ax.plot(steps, raw, lw=0.8, alpha=0.45, color=color, marker=".", ms=3, label=f"{name} (each step)")[0]
     if window > 1:
         ax.plot(steps, rolling_mean(values, window), lw=2, color=line.get_color(),
-                label=label or f"{key} ({window}-step mean)")
+                label=f"{name} ({window}-step mean)")
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     return ax

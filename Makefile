@@ -60,5 +60,5 @@ notebooks: venv
 	done
 
 clean:
-	rm -rf _build .pytest_cache .hypothesis swanlog notebooks/swanlog
+	rm -rf _build .pytest_cache .hypothesis swanlog notebooks/swanlog notebooks/runs
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

@@ -425,3 +425,120 @@ def test_unknown_model_lists_catalog(svc):
         assert "gpt2" in message
         for name in catalog.model_names():
             assert name in message
+
+
+# ------------------------------------------------------------- errors when retries run out
+# The reference errors come from pytrio's own transport and training-run coordinator, run
+# against an httpx.MockTransport that answers every request with HTTP 503: in process, with
+# no socket, no network and no API key.
+SMALL_WINDOWS = dict(
+    retry_initial_delay_seconds=0.01, retry_multiplier=2.0, retry_max_delay_seconds=0.05,
+    training_retry_timeout_seconds=0.1, sampling_retry_timeout_seconds=0.1,
+    control_retry_timeout_seconds=0.1,
+)
+MOCK_URL = "http://127.0.0.1:9"  # never contacted: the mock transport answers instead
+
+
+def _pytrio_reference_errors() -> dict[str, list[Exception]]:
+    from datetime import datetime, timedelta, timezone
+
+    import httpx
+    from pytrio.client.builders.training import build_trainer_optimize_payload
+    from pytrio.config.config import Configuration
+    from pytrio.protocol.actor.events.event import EventType
+    from pytrio.protocol.actor.sampling_run.sample import SampleRequest
+    from pytrio.protocol.control.actor.credentials import ActorConnectionInfo, ActorJWT
+    from pytrio.transport.actor.http_client import ActorHTTPClient
+    from pytrio.transport.actor.training_run.coordinator import ActorTrainingRunCoordinator
+    from pytrio.transport.control.http_base import BaseControlHTTPClient
+
+    def unavailable(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503)
+
+    async def collect() -> dict[str, list[Exception]]:
+        cfg = Configuration(**SMALL_WINDOWS)
+        mock = httpx.MockTransport(unavailable)
+        actor = ActorConnectionInfo(actor_cuid="a", endpoint=MOCK_URL,
+                                    connect_mode="direct", tls_enabled=False)
+        expires = datetime.now(timezone.utc) + timedelta(hours=1)
+        actor_client = ActorHTTPClient(
+            actor, ActorJWT(token="t", expires_at=expires),
+            http_client=httpx.AsyncClient(transport=mock, base_url=MOCK_URL),
+            runtime_configuration=cfg,
+        )
+        out: dict[str, list[Exception]] = {"training": [], "sampling": [], "control": []}
+        coordinator = ActorTrainingRunCoordinator(
+            actor_client=actor_client, training_run_cuid="run", runtime_configuration=cfg
+        )
+        payload = build_trainer_optimize_payload(trio.AdamParams())
+        first = await coordinator.submit(EventType.TRAINER_OPTIMIZE_STEP, payload)
+        queued = await coordinator.submit(EventType.TRAINER_OPTIMIZE_STEP, payload)
+        for fut in (first, queued):
+            try:
+                await fut
+            except Exception as err:  # noqa: BLE001 - collected for comparison
+                out["training"].append(err)
+        try:
+            await coordinator.submit(EventType.TRAINER_OPTIMIZE_STEP, payload)
+        except Exception as err:  # noqa: BLE001
+            out["training"].append(err)
+        one_token = {"chunks": [{"type": "encoded_text", "tokens": [1]}]}
+        request = SampleRequest(request_id="r", prompt=one_token,
+                                sampling_params={"max_tokens": 1})
+        try:
+            await actor_client.sample("s", request)
+        except Exception as err:  # noqa: BLE001
+            out["sampling"].append(err)
+        control = BaseControlHTTPClient(
+            "", http_client=httpx.AsyncClient(transport=mock, base_url=f"{MOCK_URL}/api"),
+            runtime_configuration=cfg,
+        )
+        try:
+            await control._request("POST", "openapi/v1/service-sessions/x/training-runs")
+        except Exception as err:  # noqa: BLE001
+            out["control"].append(err)
+        return out
+
+    return asyncio.run(collect())
+
+
+def _shape(err: Exception) -> tuple:
+    return (type(err), err.message, err.code, err.status_code, err.retryable, err.hint,
+            err.source)
+
+
+@pytest.fixture
+def small_windows():
+    from pytrio.config.config import configuration
+
+    saved = {name: getattr(configuration, name) for name in SMALL_WINDOWS}
+    trio.configure(**SMALL_WINDOWS)
+    yield
+    trio.configure(**saved)
+
+
+def test_exhausted_windows_raise_pytrio_errors(tmp_path, small_windows):
+    """Same class, message, code, status, retryable flag and hint as pytrio's transport."""
+    ref = _pytrio_reference_errors()
+    offline = connect("offline", latency=0.0, outage_after=2, home=tmp_path)
+    tc = offline.create_lora_training_client(MODEL, rank=RANK)  # request 0
+    sampler = offline.create_sampling_client(MODEL)  # 1; from 2 on the service is down
+    got: dict[str, list[Exception]] = {"training": [], "sampling": [], "control": []}
+    first, queued = tc.optim_step(trio.AdamParams()), tc.optim_step(trio.AdamParams())
+    for fut in (first, queued):
+        with pytest.raises(Exception) as info:
+            fut.result()
+        got["training"].append(info.value)
+    with pytest.raises(Exception) as info:
+        tc.optim_step(trio.AdamParams())
+    got["training"].append(info.value)
+    with pytest.raises(Exception) as info:
+        sampler.sample(prompt(), sampling_params=trio.SamplingParams(max_tokens=1)).result()
+    got["sampling"].append(info.value)
+    with pytest.raises(Exception) as info:
+        offline.create_lora_training_client(MODEL, rank=RANK)
+    got["control"].append(info.value)
+    for kind in ref:
+        assert [_shape(e) for e in got[kind]] == [_shape(e) for e in ref[kind]], kind
+    assert got["training"][0].operation == ref["training"][0].operation == "POST /v1/events"
+    assert got["sampling"][0].operation == ref["sampling"][0].operation

@@ -5,10 +5,32 @@ inputs and outputs are pytrio's own types; validation is pytrio's own (``plan_tr
 sampling client's checks for prompts and ``max_tokens``). Work runs on a private event loop in a background thread,
 like pytrio's runtime, so the sync API works inside Jupyter's running loop and the async API under any loop.
 
-Every request waits a simulated network latency (concurrently, like real requests in flight) and then runs its
-numpy computation on one worker thread (the "accelerator"); a training client's operations run in submission
-order. Optional fault injection raises pytrio's own transient error type before any work is done, so a retry is
-always safe.
+Every request waits a simulated network latency (concurrently, like real requests in flight)
+and then runs its numpy computation on one worker thread (the "accelerator"); a training
+client's operations run in submission order. Creating a training or sampling client is a
+request too (a control call, as on the service), and
+``save_weights_and_get_sampling_client`` is two: a training event that snapshots the
+weights, then a control call for the sampler.
+
+Faults, retries and outages (book/offline_backend.md, {ref}`offline-backend-faults`; the
+model of pytrio's transport is ``trio_helpers.offline.transport``):
+
+- ``fault_rate`` makes each HTTP attempt fail with a 503 before any work is done. The
+  offline client retries it as pytrio's transport does: exponential backoff with jitter,
+  within the training, sampling or control retry window of pytrio's configuration as it was
+  when the service was created. A retried request does its work exactly once, so results are
+  bit-identical to a fault-free run with the same seeds. The backoff runs on a simulated
+  clock; the real sleep is ``latency + retry_time_scale * (simulated seconds - latency)``.
+- ``outage_after=N`` makes every request from the N-th on (0-based, in submission order)
+  fail at every attempt. It is retried until its window runs out; then pytrio's own error
+  surfaces: ``ActorEventSubmitError`` (training), ``ActorAPIError`` (sampling) or
+  ``ControlAPIError`` (control), HTTP 503, ``retryable=True``.
+- A training operation that fails that way breaks its training client, as pytrio's
+  training-run coordinator does: operations queued behind it (say an ``optim_step``
+  submitted before awaiting the failed ``forward_backward``) fail with ``PyTrioError`` code
+  ``training.run_broken`` without being sent or applied, and every later call on that client
+  raises the same error; continue from the last ``save_state`` with a new training client.
+  So an ``optim_step`` never applies after its ``forward_backward`` failed.
 """
 
 from __future__ import annotations
@@ -16,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import os
 import threading
 import uuid
@@ -25,8 +48,7 @@ from pathlib import Path
 
 import numpy as np
 from pytrio.client.training_batch import normalize_loss_fn, plan_training_batch
-from pytrio.errors.actor import ActorAPIError
-from pytrio.errors.base import ValidationError
+from pytrio.errors.base import PyTrioError, ValidationError
 from pytrio.model.limits import TrainingLimits
 from pytrio.types import (
     AdamParams,
@@ -44,9 +66,16 @@ from pytrio.types import (
 )
 
 from trio_helpers.offline import catalog
+from trio_helpers.offline.ledger import Ledger, Usage
 from trio_helpers.offline.losses import adamw_step, resolve_loss_config, run_batch
 from trio_helpers.offline.model import Adapter, TinyLM, log_softmax, sample_completions, sequence_features
 from trio_helpers.offline.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
+from trio_helpers.offline.transport import (
+    FaultModel,
+    RetrySettings,
+    broken_run_error,
+    exhausted_error,
+)
 
 URI_SCHEME = "trio-offline://"
 MAX_SEQ_LEN = 8192
@@ -63,25 +92,59 @@ class OfflineOptions:
     """Knobs of the offline service (all passed through ``trio_helpers.connect(..., **options)``).
 
     Attributes:
-        latency: simulated seconds each request spends "on the network" (sampling, logprobs and training calls
-            alike). Concurrent requests wait concurrently, sequential ones add up.
-        fault_rate: probability that a request fails with pytrio's transient ``ActorAPIError`` (status 503,
-            ``retryable=True``) before doing any work.
-        seed: seeds the fault injector and the default sampling seed stream.
-        home: directory for checkpoints (fitted base models are cached separately, under ``$TRIO_OFFLINE_CACHE``).
+        latency: simulated seconds each request spends "on the network" (sampling, logprobs,
+            training and control calls alike). Concurrent requests wait concurrently,
+            sequential ones add up.
+        fault_rate: probability that one HTTP attempt of a request fails with a transient
+            503 before any work is done. The client retries it inside, as pytrio's transport
+            does, so it costs simulated time only.
+        outage_after: if set, every request from this one on (0-based count of the requests
+            submitted to this service) fails at every attempt, until pytrio's retry window
+            runs out and its error surfaces.
+        retry_time_scale: real seconds slept per simulated second of retrying (backoff waits
+            and failed attempts). The default 0.001 turns pytrio's 15-minute window into
+            0.9 s of real time but keeps real waits, so a retried request still finishes
+            after its peers, as on the service; 0 never sleeps for retries.
+        seed: seeds the fault injector, the retry jitter and the default sampling seeds.
+        home: directory for checkpoints (fitted base models are cached separately, under
+            ``$TRIO_OFFLINE_CACHE``).
     """
 
     latency: float = 0.01
     fault_rate: float = 0.0
+    outage_after: int | None = None
+    retry_time_scale: float = 0.001
     seed: int = 0
     home: Path = field(default_factory=default_home)
 
     def __post_init__(self) -> None:
-        if self.latency < 0:
-            raise ValueError(f"latency must be >= 0 seconds, got {self.latency}")
-        if not 0.0 <= self.fault_rate < 1.0:
-            raise ValueError(f"fault_rate must be in [0, 1), got {self.fault_rate}")
+        if not _is_real(self.latency) or not 0 <= self.latency < math.inf:
+            raise ValueError(
+                f"latency must be a finite number of seconds >= 0, got {self.latency!r}"
+            )
+        if not _is_real(self.fault_rate) or not 0.0 <= self.fault_rate < 1.0:
+            raise ValueError(
+                f"fault_rate must be in [0, 1), got {self.fault_rate!r}; for a service "
+                "that stays down use outage_after=<request index> instead"
+            )
+        outage = self.outage_after
+        if outage is not None and (isinstance(outage, bool) or not isinstance(outage, int)
+                                   or outage < 0):
+            raise ValueError(
+                f"outage_after must be None or an int >= 0 (the first failing request), "
+                f"got {outage!r}"
+            )
+        if not _is_real(self.retry_time_scale) or not 0.0 <= self.retry_time_scale <= 1.0:
+            raise ValueError(
+                f"retry_time_scale must be in [0, 1] (real seconds per simulated second), "
+                f"got {self.retry_time_scale!r}; use 0 to never sleep for retries"
+            )
         self.home = Path(self.home)
+
+
+def _is_real(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not math.isnan(value))
 
 
 class _Runtime:
@@ -93,19 +156,30 @@ class _Runtime:
         self.thread = threading.Thread(target=self.loop.run_forever, name="trio-offline-loop", daemon=True)
         self.thread.start()
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trio-offline-compute")
-        self._fault_rng = np.random.default_rng([options.seed, 7])
-        self._fault_lock = threading.Lock()
-        self.request_counter = itertools.count()
+        # pytrio copies its configuration when a ServiceClient is created, and so do we
+        self.retry_settings = RetrySettings.from_pytrio()
+        self.faults = FaultModel(
+            seed=options.seed, fault_rate=options.fault_rate,
+            outage_after=options.outage_after, latency=options.latency,
+            settings=self.retry_settings,
+        )
+        self.ledger = Ledger()
+        self.request_counter = itertools.count()  # the default sampling seed stream
 
-    def should_fail(self) -> bool:
-        if self.options.fault_rate <= 0:
-            return False
-        with self._fault_lock:
-            return bool(self._fault_rng.random() < self.options.fault_rate)
+    def submit(self, fn, *, operation: str, after: Future | None = None, gate=None,
+               on_exhausted=None, task_cuid: str = "") -> Future:
+        """Send one request: plan its attempts now; then, on the loop, wait, account, run.
 
-    def submit(self, fn, *, after: Future | None = None, operation: str) -> Future:
-        """Run ``fn`` on the compute thread after the latency (and after ``after`` finished, if given)."""
-        fail = self.should_fail()
+        Args:
+            fn: the work, run once on the compute thread if the request gets through.
+            operation: a key of ``transport.OPERATION_KINDS``.
+            after: a training client's previous request; this one starts when that one ends.
+            gate: called before sending; raises to refuse the request (a broken client).
+            on_exhausted: called with the error before a request whose window ran out
+                raises it.
+            task_cuid: the run id put on the error, as pytrio's coordinators do.
+        """
+        plan = self.faults.plan(operation)
 
         async def request():
             if after is not None:
@@ -113,17 +187,26 @@ class _Runtime:
                     await asyncio.wrap_future(after)
                 except BaseException:  # noqa: BLE001 - ordering only; the earlier failure was reported there
                     pass
-            if self.options.latency:
-                await asyncio.sleep(self.options.latency)
-            if fail:
-                raise ActorAPIError(
-                    f"offline backend: simulated transient failure of {operation} (fault_rate="
-                    f"{self.options.fault_rate}); nothing was executed, retrying is safe",
-                    status_code=503,
-                    code="actor.unavailable",
-                    retryable=True,
-                    operation=operation,
-                )
+            if gate is not None:
+                gate()
+            latency = self.options.latency
+            retrying = max(0.0, plan.simulated_seconds - latency)
+            real = latency + self.options.retry_time_scale * retrying
+            if real > 0:
+                await asyncio.sleep(real)
+            self.ledger.add(
+                requests=1, retries=plan.retries, failed_requests=int(plan.exhausted),
+                simulated_seconds=plan.simulated_seconds,
+                retry_seconds=plan.retry_seconds(latency),
+            )
+            if plan.exhausted:
+                o = self.options
+                why = (f"simulated outage from request {o.outage_after} on" if plan.outage
+                       else f"simulated transient faults (fault_rate={o.fault_rate})")
+                error = exhausted_error(plan, operation, why=why, task_cuid=task_cuid)
+                if on_exhausted is not None:
+                    on_exhausted(error)
+                raise error
             return await self.loop.run_in_executor(self.compute, fn)
 
         return asyncio.run_coroutine_threadsafe(request(), self.loop)
@@ -153,7 +236,18 @@ class OfflineServiceClient:
         self.backend = "offline"
 
     def __repr__(self) -> str:
-        return f"OfflineServiceClient(latency={self.options.latency}, fault_rate={self.options.fault_rate})"
+        o = self.options
+        outage = "" if o.outage_after is None else f", outage_after={o.outage_after}"
+        return (f"OfflineServiceClient(latency={o.latency}, fault_rate={o.fault_rate}"
+                f"{outage})")
+
+    def usage(self) -> Usage:
+        """What this service has served so far (``trio_helpers.offline.ledger.Usage``)."""
+        return self._runtime.ledger.snapshot()
+
+    def _control(self, build, operation: str) -> Future:
+        """A control call (creating a run): one request, control window, then ``build``."""
+        return self._runtime.submit(build, operation=operation)
 
     # --- catalog -------------------------------------------------------------------------------------------
     def get_supported_models(self) -> list[str]:
@@ -161,6 +255,21 @@ class OfflineServiceClient:
         return catalog.model_names()
 
     # --- training clients ------------------------------------------------------------------------------------
+    def _lora_request(self, base_model, rank, seed) -> Future:
+        if rank not in range(4, 65):
+            raise ValidationError(f"rank must be in [4, 64]. Got {rank}",
+                                  code="validation.invalid_lora_rank")
+        _check_model(base_model)
+
+        def build() -> OfflineTrainingClient:
+            base = catalog.base_weights(base_model, self.options.home)
+            alpha, row_scale = catalog.adapter_scales(base_model)
+            adapter = Adapter.fresh(base.dim, rank, seed=0 if seed is None else seed,
+                                    alpha=alpha, final_row_scale=row_scale)
+            return OfflineTrainingClient(self, base_model, adapter, rank=rank, seed=seed)
+
+        return self._control(build, "create_training_run")
+
     def create_lora_training_client(
         self,
         base_model: str,
@@ -170,13 +279,7 @@ class OfflineServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
     ) -> "OfflineTrainingClient":
-        if rank not in range(4, 65):
-            raise ValidationError(f"rank must be in [4, 64]. Got {rank}", code="validation.invalid_lora_rank")
-        _check_model(base_model)
-        base = catalog.base_weights(base_model, self.options.home)
-        alpha, row_scale = catalog.adapter_scales(base_model)
-        adapter = Adapter.fresh(base.dim, rank, seed=0 if seed is None else seed, alpha=alpha, final_row_scale=row_scale)
-        return OfflineTrainingClient(self, base_model, adapter, rank=rank, seed=seed)
+        return self._lora_request(base_model, rank, seed).result()
 
     async def create_lora_training_client_async(
         self,
@@ -187,36 +290,37 @@ class OfflineServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
     ) -> "OfflineTrainingClient":
-        return await asyncio.to_thread(
-            self.create_lora_training_client, base_model, rank, seed, train_mlp, train_attn, train_unembed
-        )
+        return await asyncio.wrap_future(self._lora_request(base_model, rank, seed))
 
     def create_training_client_from_state(self, path: str) -> "OfflineTrainingClient":
-        return self._from_state(path, with_optimizer=False)
+        return self._from_state(path, with_optimizer=False).result()
 
     async def create_training_client_from_state_async(self, path: str) -> "OfflineTrainingClient":
-        return await asyncio.to_thread(self._from_state, path, False)
+        return await asyncio.wrap_future(self._from_state(path, False))
 
     def create_training_client_from_state_with_optimizer(self, path: str) -> "OfflineTrainingClient":
-        return self._from_state(path, with_optimizer=True)
+        return self._from_state(path, with_optimizer=True).result()
 
     async def create_training_client_from_state_with_optimizer_async(self, path: str) -> "OfflineTrainingClient":
-        return await asyncio.to_thread(self._from_state, path, True)
+        return await asyncio.wrap_future(self._from_state(path, True))
 
-    def _from_state(self, path: str, with_optimizer: bool) -> "OfflineTrainingClient":
+    def _from_state(self, path: str, with_optimizer: bool) -> Future:
         ckpt = _load_checkpoint(self.options.home, path, kind="state")
         meta = ckpt["meta"]
-        base = catalog.base_weights(meta["base_model"], self.options.home)
-        adapter = _adapter_from(ckpt)
-        client = OfflineTrainingClient(self, meta["base_model"], adapter, rank=int(meta["rank"]), seed=meta.get("seed"))
-        if with_optimizer:
-            client._adam = _unpack_adam(ckpt)
-        return client
+
+        def build() -> OfflineTrainingClient:
+            catalog.base_weights(meta["base_model"], self.options.home)
+            client = OfflineTrainingClient(self, meta["base_model"], _adapter_from(ckpt),
+                                           rank=int(meta["rank"]), seed=meta.get("seed"))
+            if with_optimizer:
+                client._adam = _unpack_adam(ckpt)
+            return client
+
+        return self._control(build, "create_training_run")
 
     # --- sampling clients ------------------------------------------------------------------------------------
-    def create_sampling_client(self, base_model: str, model_path: str | None = None) -> "OfflineSamplingClient":
+    def _sampling_request(self, base_model: str, model_path: str | None) -> Future:
         _check_model(base_model)
-        base = catalog.base_weights(base_model, self.options.home)
         adapter = None
         if model_path is not None:
             ckpt = _load_checkpoint(self.options.home, model_path, kind="weights")
@@ -227,12 +331,23 @@ class OfflineServiceClient:
                     code="validation.checkpoint_model_mismatch",
                 )
             adapter = _adapter_from(ckpt)
-        return OfflineSamplingClient(self, base_model, TinyLM(base, adapter), model_path=model_path)
+
+        def build() -> OfflineSamplingClient:
+            base = catalog.base_weights(base_model, self.options.home)
+            return OfflineSamplingClient(self, base_model, TinyLM(base, adapter),
+                                         model_path=model_path)
+
+        return self._control(build, "create_sampling_run")
+
+    def create_sampling_client(
+        self, base_model: str, model_path: str | None = None
+    ) -> "OfflineSamplingClient":
+        return self._sampling_request(base_model, model_path).result()
 
     async def create_sampling_client_async(
         self, base_model: str, model_path: str | None = None
     ) -> "OfflineSamplingClient":
-        return await asyncio.to_thread(self.create_sampling_client, base_model, model_path)
+        return await asyncio.wrap_future(self._sampling_request(base_model, model_path))
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------
@@ -310,17 +425,34 @@ class OfflineTrainingClient:
         self._started = False  # set by the first queued operation; load_state* must come before it (as in pytrio)
         self._order = threading.Lock()
         self._sampler_count = itertools.count()
+        # set when a training request's retry window ran out (pytrio's coordinator "breaks")
+        self._broken = False
 
     def __repr__(self) -> str:
         return f"OfflineTrainingClient(base_model={self.base_model!r}, rank={self.rank}, run={self.run_id!r})"
 
     # ordering: every operation of one training client runs after the previous one, like the service's queue
     def _submit(self, fn, operation: str) -> APIFuture:
+        return APIFuture(self._submit_future(fn, operation))
+
+    def _submit_future(self, fn, operation: str) -> Future:
         with self._order:
-            fut = self._runtime.submit(fn, after=self._tail, operation=operation)
+            self._raise_if_broken()
+            fut = self._runtime.submit(
+                fn, operation=operation, after=self._tail, gate=self._raise_if_broken,
+                on_exhausted=self._mark_broken, task_cuid=self.run_id,
+            )
             self._tail = fut
             self._started = True
-        return APIFuture(fut)
+        return fut
+
+    def _raise_if_broken(self) -> None:
+        """Refuse work after a failed submission, as pytrio's coordinator does."""
+        if self._broken:
+            raise broken_run_error(self.run_id)
+
+    def _mark_broken(self, _error: PyTrioError) -> None:
+        self._broken = True
 
     def _check_not_started(self) -> None:
         # pytrio binds the checkpoint at trainer initialisation, so it refuses load_state once any operation ran
@@ -503,21 +635,35 @@ class OfflineTrainingClient:
         return self.load_state_with_optimizer(path)
 
     # --- samplers ----------------------------------------------------------------------------------------
+    def _snapshot_sampler(self, snapshot: Adapter) -> Future:
+        def build() -> OfflineSamplingClient:
+            model = TinyLM(self._model.base, snapshot)
+            return OfflineSamplingClient(self._service, self.base_model, model)
+
+        return self._service._control(build, "create_sampling_run")
+
     def save_weights_and_get_sampling_client(self) -> "OfflineSamplingClient":
-        """Snapshot the current adapter into a new sampler (later training does not change it)."""
-        snapshot = self._submit(lambda: self._model.adapter.copy(), "save_weights_and_get_sampling_client").result()
-        return OfflineSamplingClient(self._service, self.base_model, TinyLM(self._model.base, snapshot))
+        """Snapshot the current adapter into a new sampler (later training leaves it alone).
+
+        Two requests, as in pytrio: a training event saving the weights, then a control
+        call.
+        """
+        op = "save_weights_and_get_sampling_client"
+        snapshot = self._submit_future(lambda: self._model.adapter.copy(), op).result()
+        return self._snapshot_sampler(snapshot).result()
 
     async def save_weights_and_get_sampling_client_async(self) -> "OfflineSamplingClient":
-        fut = self._submit(lambda: self._model.adapter.copy(), "save_weights_and_get_sampling_client")
-        snapshot = await fut
-        return OfflineSamplingClient(self._service, self.base_model, TinyLM(self._model.base, snapshot))
+        op = "save_weights_and_get_sampling_client"
+        copy = self._submit_future(lambda: self._model.adapter.copy(), op)
+        snapshot = await asyncio.wrap_future(copy)
+        return await asyncio.wrap_future(self._snapshot_sampler(snapshot))
 
     def create_sampling_client(self, model_path: str) -> "OfflineSamplingClient":
         return self._service.create_sampling_client(self.base_model, model_path=model_path)
 
     async def create_sampling_client_async(self, model_path: str) -> "OfflineSamplingClient":
-        return await asyncio.to_thread(self.create_sampling_client, model_path)
+        return await self._service.create_sampling_client_async(self.base_model,
+                                                                model_path=model_path)
 
 
 def _stop_spec(stop) -> tuple[frozenset[int], tuple[bytes, ...]]:
@@ -577,8 +723,13 @@ class OfflineSamplingClient:
             )
         return tokens
 
-    def _sample_impl(self, tokens, num_samples, sp: SamplingParams, include_prompt_logprobs, topk, return_text):
-        seed = sp.seed if sp.seed is not None else next(self._runtime.request_counter) + 1_000_003 * self._service.options.seed
+    def _default_seed(self) -> int:
+        """The next seed of the service's stream, drawn when a request is submitted (not
+        when it runs), so that retries and timing never reorder it."""
+        return next(self._runtime.request_counter) + 1_000_003 * self._service.options.seed
+
+    def _sample_impl(self, tokens, num_samples, sp: SamplingParams, include_prompt_logprobs,
+                     topk, return_text, seed: int):
         rng = np.random.default_rng([int(seed), 0x5A4D])
         ids, strings = _stop_spec(sp.stop)
         comps = sample_completions(
@@ -640,8 +791,12 @@ class OfflineSamplingClient:
                 code="validation.invalid_sampling_request",
             )
         _stop_spec(sampling_params.stop)
+        seed = sampling_params.seed
+        if seed is None:
+            seed = self._default_seed()
         fut = self._runtime.submit(
-            lambda: self._sample_impl(tokens, num_samples, sampling_params, include_prompt_logprobs, topk, return_text),
+            lambda: self._sample_impl(tokens, num_samples, sampling_params,
+                                      include_prompt_logprobs, topk, return_text, seed),
             operation="sample",
         )
         return APIFuture(fut)

@@ -652,7 +652,13 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                     break  # this batch needs weights that are not trained yet
                 if v not in samplers:
                     t0 = time.perf_counter()
-                    samplers[v] = await run.training_client.save_weights_and_get_sampling_client_async()
+                    try:
+                        samplers[v] = await run.training_client.save_weights_and_get_sampling_client_async()
+                    except Exception as error:
+                        if _service_error(error):
+                            raise _Failed(step, "the sampler refresh (save_weights_and_get_sampling_client)",
+                                          error) from error
+                        raise
                     refresh_s += time.perf_counter() - t0
                 emit("sample_start", launched)
                 pending[launched] = (v, samplers[v], asyncio.ensure_future(sample(launched, samplers[v])))
@@ -764,7 +770,16 @@ def run_loop(service, records: Sequence[dict], config: LoopConfig, scorer, *, lo
     finally:
         if bar is not None:
             bar.close()
-    return finish_run(run, scorer)
+    try:
+        return finish_run(run, scorer)
+    except Exception as error:
+        if not _service_error(error):
+            raise
+        if run.owns_logger:
+            run.logger.close()
+        last = run.checkpoints[-1] if run.checkpoints else None
+        raise RunStopped(run.total_steps, "saving the final state (save_state or save_weights_for_sampler)",
+                         error, last, len(run.logger.history())) from error
 
 
 def format_row(row: dict, keys: dict | None = None) -> str:

@@ -32,6 +32,8 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 ``reward/frac_degenerate``     GRPO: share of groups whose rewards are all equal (no signal)
 ``kl/teacher_mean``, ``_std``  OPD: per-token sampled reverse KL to the teacher, ``student_lp - teacher_lp``
 ``kl/teacher_seq_mean``        OPD: the same summed over each completion, averaged over completions
+``kl/ref_mean``, ``_seq_mean`` with ``ref_kl_coef > 0``: ``logp - logp_ref`` per token (and per completion)
+``completion/entropy``         mean ``-logprob`` of the sampled tokens (per-token entropy estimate, nats)
 ``completion/tokens_mean``     sampled tokens per completion (also ``_max`` and ``_total``)
 ``completion/frac_max_tokens`` share of completions cut off at ``max_tokens``
 ``train/datums``               datums sent to ``forward_backward``
@@ -39,6 +41,8 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 ``train/loss``                 the trainer's ``loss_mean`` (NaN when nothing was sent)
 ``train/ratio_mean``, ``_max`` importance ratio ``exp(logp_train - logp_sampler)`` over trained tokens
 ``train/policy_lag``           mean ``|logp_train - logp_sampler|`` (0 on-policy with identical numerics)
+``train/kl_sampler_trainer``   mean ``logp_sampler - logp_train``: KL(sampler || trainer) estimate
+``train/clip_frac``            share of trained tokens the loss clips (``ppo``, ``cispo``; else 0)
 ``train/lr``                   the learning rate of the step
 ``optim/*``                    what ``optim_step`` returned
 ``sampler/version``            the weights version the batch was sampled from; ``sampler/staleness``:
@@ -116,7 +120,14 @@ class LoopConfig:
         max_staleness: with ``"pipeline"``, how many updates a batch's sampler may lag behind (>= 1).
         sampler_refresh_steps: without pipelining, take a new sampler every this many steps (1 = every step).
         loss_fn: ``forward_backward``'s loss, one of :data:`LOSSES`.
-        loss_fn_config: passed to ``forward_backward`` unchanged (``None``: the service's defaults).
+        loss_fn_config: passed to ``forward_backward`` unchanged (``None``: the service's defaults); checked
+            against :data:`trio_helpers.losses.LOSS_CONFIG` first.
+        ref_kl_coef: weight of the KL penalty to the reference model (0: off). Each sampled token's advantage
+            gets ``- ref_kl_coef * (logp_policy - logp_ref)``, with ``logp_ref`` from ``compute_logprobs`` of a
+            frozen sampler of the reference (chapter 09). Sample at temperature 1 with it: the policy logprobs
+            are those of the distribution sampled from.
+        ref_model_path: sampler weights of the reference, trained from ``base_model`` (``None``: the base
+            model itself).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -146,6 +157,8 @@ class LoopConfig:
     sampler_refresh_steps: int = 1
     loss_fn: str = "importance_sampling"
     loss_fn_config: dict | None = None
+    ref_kl_coef: float = 0.0
+    ref_model_path: str | None = None
 
     def validate(self) -> None:
         """Check every field; raises ``ValueError`` naming the field, the value and the fix.
@@ -180,6 +193,19 @@ class LoopConfig:
                                  f"{getattr(self, name)!r}")
         if self.loss_fn_config is not None and not isinstance(self.loss_fn_config, dict):
             raise ValueError(f"loss_fn_config must be a dict or None, got {type(self.loss_fn_config).__name__}")
+        from trio_helpers.losses import check_loss_config
+
+        check_loss_config(self.loss_fn, self.loss_fn_config)
+        if not (_is_real(self.ref_kl_coef) and self.ref_kl_coef >= 0):
+            raise ValueError(f"ref_kl_coef must be a finite number >= 0 (0 = no KL penalty), got "
+                             f"{self.ref_kl_coef!r}")
+        if self.ref_model_path is not None and (not isinstance(self.ref_model_path, str)
+                                                or not self.ref_model_path.strip()):
+            raise ValueError(f"ref_model_path must be a save_weights_for_sampler path or None, got "
+                             f"{self.ref_model_path!r}")
+        if self.ref_model_path is not None and not self.ref_kl_coef:
+            raise ValueError("ref_model_path is set but ref_kl_coef is 0, so the reference would never be "
+                             "used; set ref_kl_coef > 0 or drop ref_model_path")
         if not isinstance(self.base_model, str) or not self.base_model.strip():
             raise ValueError(f"base_model must be a model name such as 'Qwen/Qwen3.5-4B', got {self.base_model!r}")
         name = self.weights_name
@@ -305,12 +331,67 @@ def sampler_version(config: LoopConfig, step: int, start: int = 0) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- one step
+async def ref_kl_penalty(group, ref, coef: float, limiter: RequestLimiter):
+    """Fold a KL penalty to the reference into a scored group: per token, ``A - coef * (logp - logp_ref)``.
+
+    One ``compute_logprobs(prompt + completion)`` request to the reference sampler per non-empty completion; the
+    reference's logprobs are kept in ``group.extras["ref_logprobs"]`` and the advantages become per-token arrays.
+
+    Raises:
+        RuntimeError: the reference returned a list of the wrong length.
+
+    Introduced in: chapter 09 (notebooks/09_keep_what_it_knew).
+    """
+    from pytrio import ModelInput
+
+    p = group.prompt.to_ints()
+
+    async def ref_logprobs(seq):
+        full = await limiter.call(lambda: ref.compute_logprobs_async(ModelInput.from_ints(p + list(seq.tokens))),
+                                  what="reference compute_logprobs", index=group.index)
+        if len(full) != len(p) + len(seq.tokens):
+            raise RuntimeError(f"the reference returned {len(full)} logprobs for {len(p) + len(seq.tokens)} tokens")
+        return np.asarray(full[len(p):], dtype=np.float64)
+
+    kept = [i for i, s in enumerate(group.sequences) if s.tokens]
+    refs = await asyncio.gather(*(ref_logprobs(group.sequences[i]) for i in kept))
+    advantages = list(group.advantages)
+    ref_lps: list = [None] * len(group.sequences)
+    for i, ref_lp in zip(kept, refs):
+        logp = np.asarray(group.sequences[i].logprobs, dtype=np.float64)
+        advantages[i] = np.broadcast_to(np.asarray(advantages[i], dtype=np.float64), logp.shape) \
+            - coef * (logp - ref_lp)
+        ref_lps[i] = ref_lp
+    group.advantages = advantages
+    group.extras["ref_logprobs"] = ref_lps
+    return group
+
+
+def ref_kl_metrics(groups: Sequence) -> dict[str, float]:
+    """``kl/ref_mean`` (per-token ``logp - logp_ref`` over the sampled tokens, an estimate of KL(policy || ref))
+    and ``kl/ref_seq_mean`` (summed per completion, averaged); empty when no group carries reference logprobs.
+
+    Introduced in: chapter 09 (notebooks/09_keep_what_it_knew).
+    """
+    per_token, per_seq = [], []
+    for g in groups:
+        for s, ref_lp in zip(g.sequences, g.extras.get("ref_logprobs") or []):
+            if ref_lp is not None:
+                k = np.asarray(s.logprobs, dtype=np.float64) - ref_lp
+                per_token.append(k)
+                per_seq.append(k.sum())
+    if not per_token:
+        return {}
+    return {"kl/ref_mean": float(np.concatenate(per_token).mean()), "kl/ref_seq_mean": float(np.mean(per_seq))}
+
+
 async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tuple[int, dict]],
-                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None) -> list:
+                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None, ref=None) -> list:
     """Sample a group per prompt of the batch and let ``scorer`` score it; returns the scored groups in order.
 
     Every request (sampling, and the scorer's own, e.g. teacher logprobs) goes through ``limiter``: at most its
-    ``max_concurrency`` in flight, sampling retried per its policy.
+    ``max_concurrency`` in flight, sampling retried per its policy. With a reference sampler ``ref`` and
+    ``config.ref_kl_coef > 0``, :func:`ref_kl_penalty` is folded into each group.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -321,7 +402,10 @@ async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tupl
         response = await limiter.call(
             lambda: sampler.sample_async(prompts[i], num_samples=config.group_size, sampling_params=params),
             what=f"sample (step {step}, prompt {i})", index=i)
-        return await scorer.score(i, prompts[i], records_batch[i][1], list(response.sequences), limiter)
+        group = await scorer.score(i, prompts[i], records_batch[i][1], list(response.sequences), limiter)
+        if ref is not None and config.ref_kl_coef > 0:
+            group = await ref_kl_penalty(group, ref, config.ref_kl_coef, limiter)
+        return group
 
     return await gather_or_cancel(one(i) for i in range(len(prompts)))
 
@@ -357,12 +441,13 @@ def train_step_metrics(training_client, scorer, groups, config: LoopConfig, step
     if train["train/datums"] == 0 and scorer.require_datums:
         raise RuntimeError(f"step {step} produced no datums (every completion was empty); check max_tokens "
                            f"({config.max_tokens}) and the stop tokens")
-    return {**scorer.metrics(groups), **completion_metrics(groups, config.max_tokens), **train,
-            "train/lr": float(adam.learning_rate)}
+    return {**scorer.metrics(groups), **ref_kl_metrics(groups), **completion_metrics(groups, config.max_tokens),
+            **train, "train/lr": float(adam.learning_rate)}
 
 
 def one_step(training_client, scorer, records_batch, config: LoopConfig, step: int, tokenizer, *,
-             total_steps: int | None = None, retries: RetryPolicy | None = RetryPolicy()) -> StepOutput:
+             total_steps: int | None = None, retries: RetryPolicy | None = RetryPolicy(),
+             ref=None) -> StepOutput:
     """One on-policy step, in the open: refresh the sampler, sample and score the batch, train.
 
     The same pieces the run uses (:func:`rollout_batch`, :func:`train_step_metrics`), for one step.
@@ -376,7 +461,7 @@ def one_step(training_client, scorer, records_batch, config: LoopConfig, step: i
     sampler = training_client.save_weights_and_get_sampling_client()
     t1 = time.perf_counter()
     groups = run_sync(rollout_batch(sampler, scorer, tokenizer, records_batch, config, step,
-                                    _limiter(config, retries), stop=stop_token_ids(tokenizer)))
+                                    _limiter(config, retries), stop=stop_token_ids(tokenizer), ref=ref))
     t2 = time.perf_counter()
     metrics = train_step_metrics(training_client, scorer, groups, config, step, total_steps or config.steps)
     t3 = time.perf_counter()
@@ -462,6 +547,7 @@ class RunState:
     run_dir: Path | None
     checkpoints: list[dict]
     owns_logger: bool
+    ref: object = None
 
 
 def read_checkpoints(run_dir: str | os.PathLike) -> list[dict]:
@@ -545,6 +631,9 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             _write_json(run_dir / CHECKPOINTS_FILE, [])
+    ref = None
+    if config.ref_kl_coef > 0:  # a frozen sampler of the reference model, for the KL penalty
+        ref = service.create_sampling_client(config.base_model, model_path=config.ref_model_path)
     if run_dir is not None:
         _write_json(run_dir / CONFIG_FILE, asdict(config))
     owns = logger is None
@@ -554,7 +643,7 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
     if resume and hasattr(logger, "truncate"):
         logger.truncate(start)
     return RunState(config, training_client, training_client.get_tokenizer(), logger, start, total, run_dir,
-                    checkpoints, owns)
+                    checkpoints, owns, ref)
 
 
 def save_checkpoint(run: RunState, done: int) -> dict:
@@ -638,7 +727,8 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
     async def sample(step: int, sampler):
         t0 = time.perf_counter()
         batch = batch_for_step(records, step, config.batch_size, config.all_data)
-        groups = await rollout_batch(sampler, scorer, run.tokenizer, batch, config, step, limiter, stop=stop)
+        groups = await rollout_batch(sampler, scorer, run.tokenizer, batch, config, step, limiter, stop=stop,
+                                     ref=run.ref)
         sample_s[step] = time.perf_counter() - t0
         emit("sample_end", step)
         return groups

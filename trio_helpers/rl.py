@@ -224,7 +224,8 @@ def sample_groups(sampler, prompts: Sequence, group_size: int, sampling_params_f
     ]
 
 
-def ratio_metrics(data: Sequence, fb_output) -> dict[str, float]:
+def ratio_metrics(data: Sequence, fb_output, loss_fn: str = "importance_sampling",
+                  loss_fn_config: dict | None = None) -> dict[str, float]:
     """How far the trainer's logprobs are from the sampler's, over the trained (non-masked) tokens.
 
     ``forward_backward`` returns the trainer's logprob of every target (``loss_fn_outputs[i]["logprobs"]``,
@@ -232,12 +233,16 @@ def ratio_metrics(data: Sequence, fb_output) -> dict[str, float]:
     fresh sampler with identical numerics) and ``exp`` of it the importance ratio.
 
     Returns:
-        ``train/ratio_mean``, ``train/ratio_max`` and ``train/policy_lag`` (mean absolute logprob difference);
-        NaN when the output carries no logprobs.
+        ``train/ratio_mean``, ``train/ratio_max``, ``train/policy_lag`` (mean ``|logp_train - logp_sampler|``),
+        ``train/kl_sampler_trainer`` (mean ``logp_sampler - logp_train``: an estimate of KL(sampler || trainer)
+        on the sampled tokens) and ``train/clip_frac`` (share of tokens the loss clips,
+        :func:`trio_helpers.losses.clipped_mask`); NaN when the output carries no logprobs.
 
-    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    Introduced in: chapter 04 (notebooks/04_grpo_sync); the clipping and KL keys in chapter 08.
     """
-    gaps = []
+    from trio_helpers.losses import LOSS_CONFIG, clipped_mask
+
+    gaps, advs = [], []
     for d, out in zip(data, getattr(fb_output, "loss_fn_outputs", None) or []):
         lp = out.get("logprobs") if isinstance(out, dict) else None
         if lp is None:
@@ -246,13 +251,16 @@ def ratio_metrics(data: Sequence, fb_output) -> dict[str, float]:
         old = d.loss_fn_inputs["logprobs"].to_numpy()
         mask = d.loss_fn_inputs["target_tokens"].to_numpy() != -100
         gaps.append(np.asarray(new, dtype=np.float64)[mask] - old[mask])
+        advs.append(d.loss_fn_inputs["advantages"].to_numpy()[mask])
+    keys = ("train/ratio_mean", "train/ratio_max", "train/policy_lag", "train/kl_sampler_trainer",
+            "train/clip_frac")
     if not gaps or len(gaps) != len(data):
-        nan = float("nan")
-        return {"train/ratio_mean": nan, "train/ratio_max": nan, "train/policy_lag": nan}
-    gap = np.concatenate(gaps)
+        return dict.fromkeys(keys, float("nan"))
+    gap, adv = np.concatenate(gaps), np.concatenate(advs)
     ratio = np.exp(gap)
-    return {"train/ratio_mean": float(ratio.mean()), "train/ratio_max": float(ratio.max()),
-            "train/policy_lag": float(np.abs(gap).mean())}
+    clip = float(np.mean(clipped_mask(loss_fn, ratio, adv, loss_fn_config))) if loss_fn in LOSS_CONFIG else 0.0
+    return dict(zip(keys, (float(ratio.mean()), float(ratio.max()), float(np.abs(gap).mean()),
+                           float(-gap.mean()), clip)))
 
 
 def train_on_groups(
@@ -297,7 +305,7 @@ def train_on_groups(
         return metrics
     out = training_client.forward_backward(data, loss_fn, loss_fn_config).result()
     metrics["train/loss"] = float(out.metrics.get("loss_mean", float("nan")))
-    metrics.update(ratio_metrics(data, out))
+    metrics.update(ratio_metrics(data, out, loss_fn, loss_fn_config))
     optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded
     for k, v in (optim.metrics or {}).items():
         metrics[f"optim/{k}"] = float(v)
@@ -309,8 +317,9 @@ def completion_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, fl
 
     Returns:
         ``completion/tokens_mean``, ``completion/tokens_max``, ``completion/tokens_total`` (sampled tokens per
-        completion and in all) and ``completion/frac_max_tokens`` (share of completions that used the whole
-        ``max_tokens`` budget, i.e. were cut off).
+        completion and in all), ``completion/frac_max_tokens`` (share of completions that used the whole
+        ``max_tokens`` budget, i.e. were cut off) and ``completion/entropy`` (mean ``-logprob`` of the sampled
+        tokens: an estimate of the sampling distribution's per-token entropy, in nats).
 
     Raises:
         ValueError: no groups, or groups without completions.
@@ -320,11 +329,14 @@ def completion_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, fl
     lengths = np.array([len(s.tokens) for g in groups for s in g.sequences])
     if lengths.size == 0:
         raise ValueError("groups must hold at least one completion; got an empty step")
+    logprobs = [np.asarray(s.logprobs, dtype=np.float64) for g in groups for s in g.sequences if s.tokens]
+    entropy = float(-np.concatenate(logprobs).mean()) if logprobs else float("nan")
     return {
         "completion/tokens_mean": float(lengths.mean()),
         "completion/tokens_max": float(lengths.max()),
         "completion/tokens_total": float(lengths.sum()),
         "completion/frac_max_tokens": float(np.mean(lengths >= max_tokens)),
+        "completion/entropy": entropy,
     }
 
 

@@ -149,6 +149,10 @@ def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse
     p.add_argument("--loss-fn", choices=LOSSES, default=d.loss_fn, help="forward_backward's loss")
     p.add_argument("--loss-config", type=key_value, action="append", default=None, metavar="KEY=VALUE",
                    help="a loss_fn_config entry (repeat for several)")
+    p.add_argument("--ref-kl-coef", type=number_where("a number >= 0", lambda v: v >= 0), default=d.ref_kl_coef,
+                   help="weight of the per-token KL penalty to the reference (base) model; 0: off (chapter 09)")
+    p.add_argument("--ref-model-path", default=None,
+                   help="sampler weights of the reference instead of the base model (with --ref-kl-coef)")
     p.add_argument("--swanlab", nargs="?", const="online", default="disabled", choices=SWANLAB_MODES,
                    help="log to SwanLab: online (needs `swanlab login`), offline (sync later) or disabled")
     p.add_argument("--no-swanlab", dest="swanlab", action="store_const", const="disabled",
@@ -213,10 +217,10 @@ def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         return connect(args.backend, **options)
     except ValueError as err:
         parser.error(str(err))
-    except Exception as err:  # pytrio's AuthError and connection errors: one line, no traceback
+    except Exception as err:  # pytrio's AuthError, an unreachable service: one line, no traceback
         from pytrio.errors.base import PyTrioError
 
-        if not isinstance(err, PyTrioError):
+        if not isinstance(err, (PyTrioError, ConnectionError)):
             raise
         message = getattr(err, "message", None) or str(err)
         print(f"{parser.prog}: error: {message.splitlines()[0] if message else type(err).__name__}",
@@ -251,7 +255,9 @@ def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
     Returns:
         ``(result, 0)`` on success, ``(None, status)`` otherwise, after printing one line to stderr: a
         :class:`trio_helpers.loop.RunStopped` (status 1, with the resume command when a state was saved), a
-        ``ValueError`` (status 1: e.g. nothing to resume), Ctrl-C (status 130, with the resume command).
+        ``ValueError`` (status 1: e.g. nothing to resume), a pytrio error before the first step (status 1:
+        e.g. the service is down while the run's clients are created), Ctrl-C (status 130, with the resume
+        command).
 
     Introduced in: chapter 05 (notebooks/05_grpo_async).
     """
@@ -268,6 +274,14 @@ def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
         return None, 1
     except ValueError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
+        return None, 1
+    except Exception as err:  # a service call that failed before the first step (creating the run's clients)
+        from pytrio.errors.base import PyTrioError
+
+        if not isinstance(err, PyTrioError):
+            raise
+        message = (getattr(err, "message", None) or str(err) or type(err).__name__).splitlines()[0]
+        print(f"{prog}: error: the run could not start: {type(err).__name__}: {message}", file=sys.stderr)
         return None, 1
     except KeyboardInterrupt:
         how = (f"resume from the last saved state with: {resume_command(prog, args)}"

@@ -340,7 +340,7 @@ async def ref_kl_penalty(group, ref, coef: float, limiter: RequestLimiter):
     Raises:
         RuntimeError: the reference returned a list of the wrong length.
 
-    Introduced in: chapter 09 (notebooks/09_keep_what_it_knew).
+    Introduced in: chapter 09 (notebooks/09_sft_and_kl).
     """
     from pytrio import ModelInput
 
@@ -371,7 +371,7 @@ def ref_kl_metrics(groups: Sequence) -> dict[str, float]:
     """``kl/ref_mean`` (per-token ``logp - logp_ref`` over the sampled tokens, an estimate of KL(policy || ref))
     and ``kl/ref_seq_mean`` (summed per completion, averaged); empty when no group carries reference logprobs.
 
-    Introduced in: chapter 09 (notebooks/09_keep_what_it_knew).
+    Introduced in: chapter 09 (notebooks/09_sft_and_kl).
     """
     per_token, per_seq = [], []
     for g in groups:

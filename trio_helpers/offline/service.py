@@ -167,8 +167,9 @@ class _Runtime:
         self.request_counter = itertools.count()  # the default sampling seed stream
 
     def submit(self, fn, *, operation: str, after: Future | None = None, gate=None,
-               on_exhausted=None, task_cuid: str = "") -> Future:
-        """Send one request: plan its attempts now; then, on the loop, wait, account, run.
+               on_exhausted=None, task_cuid: str = "", ledgers: tuple[Ledger, ...] = (),
+               work: dict[str, int] | None = None, bill=None) -> Future:
+        """Send one request: plan its attempts now; then, on the loop, wait, run, account.
 
         Args:
             fn: the work, run once on the compute thread if the request gets through.
@@ -178,7 +179,12 @@ class _Runtime:
             on_exhausted: called with the error before a request whose window ran out
                 raises it.
             task_cuid: the run id put on the error, as pytrio's coordinators do.
+            ledgers: the ledgers of the clients the request is made through (the service's
+                own ledger always counts it).
+            work: usage counts of the work, counted only if ``fn`` returns.
+            bill: ``bill(result)`` returns further counts that depend on the result.
         """
+        ledgers = (self.ledger, *ledgers)
         plan = self.faults.plan(operation)
 
         async def request():
@@ -194,12 +200,14 @@ class _Runtime:
             real = latency + self.options.retry_time_scale * retrying
             if real > 0:
                 await asyncio.sleep(real)
-            self.ledger.add(
-                requests=1, retries=plan.retries, failed_requests=int(plan.exhausted),
-                simulated_seconds=plan.simulated_seconds,
-                retry_seconds=plan.retry_seconds(latency),
-            )
+            counts = {
+                "requests": 1, "retries": plan.retries,
+                "failed_requests": int(plan.exhausted),
+                "simulated_seconds": plan.simulated_seconds,
+                "retry_seconds": plan.retry_seconds(latency),
+            }
             if plan.exhausted:
+                _account(ledgers, counts)
                 o = self.options
                 why = (f"simulated outage from request {o.outage_after} on" if plan.outage
                        else f"simulated transient faults (fault_rate={o.fault_rate})")
@@ -207,9 +215,23 @@ class _Runtime:
                 if on_exhausted is not None:
                     on_exhausted(error)
                 raise error
-            return await self.loop.run_in_executor(self.compute, fn)
+            try:
+                result = await self.loop.run_in_executor(self.compute, fn)
+            except BaseException:
+                _account(ledgers, counts)  # it reached the service; its work failed there
+                raise
+            counts.update(work or {})
+            if bill is not None:
+                counts.update(bill(result))
+            _account(ledgers, counts)
+            return result
 
         return asyncio.run_coroutine_threadsafe(request(), self.loop)
+
+
+def _account(ledgers: tuple[Ledger, ...], counts: dict[str, float]) -> None:
+    for ledger in ledgers:
+        ledger.add(counts)
 
 
 def _unknown_model_error(name: str) -> ValidationError:
@@ -245,9 +267,14 @@ class OfflineServiceClient:
         """What this service has served so far (``trio_helpers.offline.ledger.Usage``)."""
         return self._runtime.ledger.snapshot()
 
-    def _control(self, build, operation: str) -> Future:
-        """A control call (creating a run): one request, control window, then ``build``."""
-        return self._runtime.submit(build, operation=operation)
+    def _control(self, build, operation: str, via: tuple[Ledger, ...] = ()) -> Future:
+        """A control call (creating a run): one request, control window, then ``build``.
+
+        ``via``: the ledgers of the client the call is made through, if any.
+        """
+        work = {"create_training_run": {"training_runs": 1},
+                "create_sampling_run": {"sampling_runs": 1}}[operation]
+        return self._runtime.submit(build, operation=operation, ledgers=via, work=work)
 
     # --- catalog -------------------------------------------------------------------------------------------
     def get_supported_models(self) -> list[str]:
@@ -319,7 +346,8 @@ class OfflineServiceClient:
         return self._control(build, "create_training_run")
 
     # --- sampling clients ------------------------------------------------------------------------------------
-    def _sampling_request(self, base_model: str, model_path: str | None) -> Future:
+    def _sampling_request(self, base_model: str, model_path: str | None,
+                          via: tuple[Ledger, ...] = ()) -> Future:
         _check_model(base_model)
         adapter = None
         if model_path is not None:
@@ -337,7 +365,7 @@ class OfflineServiceClient:
             return OfflineSamplingClient(self, base_model, TinyLM(base, adapter),
                                          model_path=model_path)
 
-        return self._control(build, "create_sampling_run")
+        return self._control(build, "create_sampling_run", via)
 
     def create_sampling_client(
         self, base_model: str, model_path: str | None = None
@@ -427,20 +455,27 @@ class OfflineTrainingClient:
         self._sampler_count = itertools.count()
         # set when a training request's retry window ran out (pytrio's coordinator "breaks")
         self._broken = False
+        self._ledger = Ledger()
+
+    def usage(self) -> Usage:
+        """What this training client's requests used (``offline.ledger.Usage``)."""
+        return self._ledger.snapshot()
 
     def __repr__(self) -> str:
         return f"OfflineTrainingClient(base_model={self.base_model!r}, rank={self.rank}, run={self.run_id!r})"
 
     # ordering: every operation of one training client runs after the previous one, like the service's queue
-    def _submit(self, fn, operation: str) -> APIFuture:
-        return APIFuture(self._submit_future(fn, operation))
+    def _submit(self, fn, operation: str, work: dict[str, int] | None = None) -> APIFuture:
+        return APIFuture(self._submit_future(fn, operation, work))
 
-    def _submit_future(self, fn, operation: str) -> Future:
+    def _submit_future(self, fn, operation: str,
+                       work: dict[str, int] | None = None) -> Future:
         with self._order:
             self._raise_if_broken()
             fut = self._runtime.submit(
                 fn, operation=operation, after=self._tail, gate=self._raise_if_broken,
                 on_exhausted=self._mark_broken, task_cuid=self.run_id,
+                ledgers=(self._ledger,), work=work,
             )
             self._tail = fut
             self._started = True
@@ -506,7 +541,9 @@ class OfflineTrainingClient:
         auto_shift: bool = False,
     ) -> APIFuture[ForwardBackwardOutput]:
         plan, name, cfg = self._plan(data, loss_fn, loss_fn_config, auto_shift)
-        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, False), "forward")
+        work = _token_counts(data, plan, "forward")
+        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, False),
+                            "forward", work)
 
     async def forward_async(
         self,
@@ -525,7 +562,9 @@ class OfflineTrainingClient:
         auto_shift: bool = False,
     ) -> APIFuture[ForwardBackwardOutput]:
         plan, name, cfg = self._plan(data, loss_fn, loss_fn_config, auto_shift)
-        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, True), "forward_backward")
+        work = _token_counts(data, plan, "forward_backward")
+        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, True),
+                            "forward_backward", work)
 
     async def forward_backward_async(
         self,
@@ -546,7 +585,8 @@ class OfflineTrainingClient:
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         if not isinstance(adam_params, AdamParams):
             raise TypeError(f"adam_params must be a pytrio.AdamParams, got {type(adam_params).__name__}")
-        return self._submit(lambda: self._optim_impl(adam_params), "optim_step")
+        return self._submit(lambda: self._optim_impl(adam_params), "optim_step",
+                            {"optim_steps": 1})
 
     async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self.optim_step(adam_params)
@@ -584,7 +624,7 @@ class OfflineTrainingClient:
             uri, size = self._write("weights", name, with_optimizer=False, overwrite=True)
             return SaveWeightsForSamplerResponse(path=uri, model=self.base_model, size=size)
 
-        return self._submit(save, "save_weights_for_sampler")
+        return self._submit(save, "save_weights_for_sampler", {"sampler_weights_saved": 1})
 
     async def save_weights_for_sampler_async(
         self, name: str, ttl_seconds: int | None = None
@@ -598,7 +638,7 @@ class OfflineTrainingClient:
             uri, size = self._write("state", name, with_optimizer=True, overwrite=overwrite)
             return SaveWeightsResponse(path=uri, model=self.base_model, size=size)
 
-        return self._submit(save, "save_state")
+        return self._submit(save, "save_state", {"states_saved": 1})
 
     async def save_state_async(
         self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
@@ -640,7 +680,7 @@ class OfflineTrainingClient:
             model = TinyLM(self._model.base, snapshot)
             return OfflineSamplingClient(self._service, self.base_model, model)
 
-        return self._service._control(build, "create_sampling_run")
+        return self._service._control(build, "create_sampling_run", (self._ledger,))
 
     def save_weights_and_get_sampling_client(self) -> "OfflineSamplingClient":
         """Snapshot the current adapter into a new sampler (later training leaves it alone).
@@ -649,21 +689,24 @@ class OfflineTrainingClient:
         call.
         """
         op = "save_weights_and_get_sampling_client"
-        snapshot = self._submit_future(lambda: self._model.adapter.copy(), op).result()
+        snapshot = self._submit_future(lambda: self._model.adapter.copy(), op,
+                                       {"sampler_snapshots": 1}).result()
         return self._snapshot_sampler(snapshot).result()
 
     async def save_weights_and_get_sampling_client_async(self) -> "OfflineSamplingClient":
         op = "save_weights_and_get_sampling_client"
-        copy = self._submit_future(lambda: self._model.adapter.copy(), op)
+        copy = self._submit_future(lambda: self._model.adapter.copy(), op,
+                                   {"sampler_snapshots": 1})
         snapshot = await asyncio.wrap_future(copy)
         return await asyncio.wrap_future(self._snapshot_sampler(snapshot))
 
     def create_sampling_client(self, model_path: str) -> "OfflineSamplingClient":
-        return self._service.create_sampling_client(self.base_model, model_path=model_path)
+        return self._service._sampling_request(self.base_model, model_path,
+                                               (self._ledger,)).result()
 
     async def create_sampling_client_async(self, model_path: str) -> "OfflineSamplingClient":
-        return await self._service.create_sampling_client_async(self.base_model,
-                                                                model_path=model_path)
+        fut = self._service._sampling_request(self.base_model, model_path, (self._ledger,))
+        return await asyncio.wrap_future(fut)
 
 
 def _stop_spec(stop) -> tuple[frozenset[int], tuple[bytes, ...]]:
@@ -699,6 +742,11 @@ class OfflineSamplingClient:
         self.base_model = base_model
         self.model_path = model_path
         self._model = model
+        self._ledger = Ledger()
+
+    def usage(self) -> Usage:
+        """What this sampling client's requests used (``offline.ledger.Usage``)."""
+        return self._ledger.snapshot()
 
     def __repr__(self) -> str:
         return f"OfflineSamplingClient(base_model={self.base_model!r}, model_path={self.model_path!r})"
@@ -797,7 +845,9 @@ class OfflineSamplingClient:
         fut = self._runtime.submit(
             lambda: self._sample_impl(tokens, num_samples, sampling_params,
                                       include_prompt_logprobs, topk, return_text, seed),
-            operation="sample",
+            operation="sample", ledgers=(self._ledger,),
+            work={"samples": num_samples, "prompt_tokens": len(tokens)},
+            bill=_sampled_tokens,
         )
         return APIFuture(fut)
 
@@ -834,10 +884,23 @@ class OfflineSamplingClient:
             logp = self._prompt_logprobs(tokens)
             return [None] + [float(logp[i - 1, tokens[i]]) for i in range(1, len(tokens))]
 
-        return APIFuture(self._runtime.submit(run, operation="compute_logprobs"))
+        return APIFuture(self._runtime.submit(
+            run, operation="compute_logprobs", ledgers=(self._ledger,),
+            work={"logprob_tokens": len(tokens)},
+        ))
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
         return await self.compute_logprobs(prompt)
+
+
+def _sampled_tokens(response: SampleResponse) -> dict[str, int]:
+    return {"sampled_tokens": sum(len(seq.tokens) for seq in response.sequences)}
+
+
+def _token_counts(data: list[Datum], plan, kind: str) -> dict[str, int]:
+    """Model-input tokens of a training call, and the active ones (as pytrio's planner)."""
+    return {f"{kind}_tokens": sum(d.model_input.length for d in data),
+            f"{kind}_active_tokens": int(plan.totals.total_active_tokens)}
 
 
 def topk_prompt_logprobs_invalid(topk: int) -> bool:

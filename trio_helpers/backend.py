@@ -36,6 +36,7 @@ REMOTE_TIMEOUTS = {
 }
 
 _ACTIVE: str | None = None  # the backend the last connect() returned: "offline", "remote" or None
+_OFFLINE_LEDGERS: list = []  # the usage ledgers of the offline services connect() created (small; no threads)
 
 
 class MissingCredentialsError(AuthError):
@@ -103,6 +104,16 @@ def resolve_backend(backend: str | None = None) -> str:
     if chosen == "auto":
         return "remote" if has_pytrio_credentials() else "offline"
     return chosen
+
+
+def offline_usages() -> list:
+    """What each offline service :func:`connect` created in this process has served (``Usage`` snapshots,
+    oldest service first), whether or not the service is still referenced: together, what the process sent
+    (``trio_helpers.costs.session_usage``).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    return [ledger.snapshot() for ledger in _OFFLINE_LEDGERS]
 
 
 def active_backend() -> str | None:
@@ -218,6 +229,7 @@ def connect(backend: str | None = None, **options):
             raise ValueError(f"offline backend options are {sorted(allowed)}; got unknown {unknown}")
         client = OfflineServiceClient(OfflineOptions(**options))
         _ACTIVE = "offline"
+        _OFFLINE_LEDGERS.append(client._runtime.ledger)
         return client
     import pytrio as trio
 

@@ -158,6 +158,7 @@ def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse
     p.add_argument("--no-swanlab", dest="swanlab", action="store_const", const="disabled",
                    help="no SwanLab logging (the default)")
     add_backend_flags(p)
+    add_dry_run_flag(p)
     return p
 
 
@@ -288,3 +289,101 @@ def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
                if getattr(parser, "_resumable", True) else "no state was saved (--save-every 0): rerun it")
         print(f"{prog}: interrupted; finished steps are in metrics.jsonl; {how}", file=sys.stderr)
         return None, 130
+
+
+def add_dry_run_flag(p: argparse.ArgumentParser) -> None:
+    """``--dry-run``: print the bill the settings imply and send nothing (see :func:`print_dry_run`).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what the run would send and cost (upper bounds, and an estimate from a 3-step "
+                        "offline run), then exit without contacting any service")
+
+
+def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -> None:
+    """The bill of a configuration, without a service: upper bounds and an offline estimate, in Qwen tokens.
+
+    Args:
+        config: the validated run config (``steps`` may be large).
+        records: the offline corpus records the estimate runs on.
+        run: ``run(service, records, config)`` runs the loop (``run_grpo`` or ``run_opd``).
+        prompt_of: ``prompt_of(tokenizer, record)`` renders a prompt (the scorer's).
+        probe_steps: steps of the offline run that the estimate scales up.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    from dataclasses import replace
+
+    import numpy as np
+
+    from trio_helpers.backend import connect
+    from trio_helpers.costs import TOKEN_RATIO, _k, bill_line, config_bill
+    from trio_helpers.offline import catalog
+    from trio_helpers.offline.ledger import Usage
+    from trio_helpers.offline.tokenizer import get_offline_tokenizer
+
+    tok = get_offline_tokenizer()
+    offline_prompt = float(np.mean([len(prompt_of(tok, r)) for r in records[:64]]))
+    prompt = offline_prompt * TOKEN_RATIO["prompt"]
+    bound = config_bill(config, prompt)
+    print(f"dry run, nothing is sent: {config.steps} steps x {config.batch_size} prompts x "
+          f"{config.group_size} completions, max_tokens {config.max_tokens}")
+    print(f"  prompts: about {prompt:.0f} Qwen tokens each")
+    tokens = ", ".join(f"{name} {_k(bound[name])}" for name in ("prompt", "sampled", "training", "teacher",
+                                                                "reference") if name in bound)
+    print("upper bounds (every completion at max_tokens, every datum sent), in Qwen tokens:")
+    print(f"  {tokens}")
+    print(f"  {bound['optimizer_steps']:.0f} optimizer steps, {bound['sampler_snapshots']:.0f} sampler "
+          f"snapshots, {bound['states_saved']:.0f} saved states, 1 training run")
+    probe = replace(config, steps=min(probe_steps, config.steps), all_data=False, save_every=0, run_dir=None,
+                    swanlab="disabled", weights_name=None)
+    served = catalog.model_names()
+    note = ""
+    if probe.base_model not in served:
+        note = f" (offline stand-in {served[0]!r} for {probe.base_model!r})"
+        probe = replace(probe, base_model=served[0])
+    if hasattr(probe, "teacher_base_model") and probe.teacher_base_model not in served:
+        probe = replace(probe, teacher_base_model=served[-1], teacher_model_path=None)
+    service = connect("offline", latency=0.0)
+    before = service.usage()
+    run(service, records, probe)
+    used = service.usage() - before
+    scale = config.steps / probe.steps
+    once = {"training_runs", "sampling_runs", "states_saved", "sampler_weights_saved"}  # not per step
+    scaled = Usage(**{name: value if name in once else type(value)(value * scale)
+                      for name, value in vars(used).items()})
+    print(f"estimate from a {probe.steps}-step offline run{note}, scaled x{scale:.4g}:")
+    print(f"  {bill_line(scaled)}")
+    print("  (the offline model's text in Qwen tokens; a real model writes other, often longer, text)")
+
+
+def report_usage(service, run_dir) -> None:
+    """After a run: print the service's ledger (offline) and write it to ``run_dir/usage.json``.
+
+    The real service's client reports no usage, so there it prints one line saying so.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from trio_helpers.costs import chapter_bill, real_tokens
+
+    if not hasattr(service, "usage"):
+        print("usage: the real service's client reports none; see your account's usage page")
+        return
+    used = service.usage()
+    print(chapter_bill(used))
+    if run_dir:
+        bill = real_tokens(used)
+        record = {"offline": asdict(used), "qwen_tokens_estimate": {
+            "inference": bill.inference[0], "inference_range": list(bill.inference[1:]),
+            "training": bill.training[0]}}
+        path = Path(run_dir) / "usage.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name("usage.json.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(path)
+        print(f"usage: {path}")

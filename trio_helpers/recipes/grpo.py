@@ -19,9 +19,16 @@ import argparse
 import sys
 import time
 
-from trio_helpers.grpo import ADVANTAGES, GRPOConfig, run_grpo
+from trio_helpers.grpo import ADVANTAGES, GRPOConfig, GRPOScorer, run_grpo
 from trio_helpers.loop import total_steps_for
-from trio_helpers.recipes import check_settings, config_from_args, connect_from_args, loop_parser, run_and_report
+from trio_helpers.recipes import (
+    check_settings,
+    connect_from_args,
+    loop_parser,
+    print_dry_run,
+    report_usage,
+    run_and_report,
+)
 
 DEFAULT_RUN_DIR = "runs/grpo"
 
@@ -63,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     check_settings(parser, args, config)
     parser._resumable = bool(config.save_every)
+    if args.dry_run:
+        from trio_helpers.data import load_gsm8k
+
+        print_dry_run(config, load_gsm8k("train", source="offline"), run_grpo, GRPOScorer(config).prompt)
+        return 0
 
     from trio_helpers.data import load_gsm8k
 
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"metrics: {config.run_dir}/metrics.jsonl")
     if result.checkpoints:
         print(f"last saved state (resume with --resume --run-dir {config.run_dir}): {result.checkpoints[-1]['path']}")
+    report_usage(service, config.run_dir)
     print(f"total time {time.perf_counter() - start:.1f}s")
     print(f"final weights: {result.final_path}")
     return 0

@@ -21,13 +21,15 @@ import argparse
 import sys
 import time
 
-from trio_helpers.distillation import OPDConfig, run_opd
+from trio_helpers.distillation import OPDConfig, OPDScorer, run_opd
 from trio_helpers.recipes import (
     check_settings,
     connect_from_args,
     int_at_least,
     loop_parser,
     number_where,
+    print_dry_run,
+    report_usage,
     run_and_report,
 )
 
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     check_settings(parser, args, config)
     parser._resumable = bool(config.save_every)
+    if args.dry_run:
+        from trio_helpers.data import load_deepmath
+
+        print_dry_run(config, load_deepmath(sample_size=0, seed=args.seed, source="offline"), run_opd, OPDScorer(config).prompt)
+        return 0
 
     from trio_helpers.data import load_deepmath
 
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"metrics: {config.run_dir}/metrics.jsonl")
     if result.checkpoints:
         print(f"last saved state (resume with --resume --run-dir {config.run_dir}): {result.checkpoints[-1]['path']}")
+    report_usage(service, config.run_dir)
     print(f"total time {time.perf_counter() - start:.1f}s")
     if result.final_path:
         print(f"final weights: {result.final_path}")

@@ -135,10 +135,21 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     tokenizer = sampler.get_tokenizer()
-    results = evaluate(sampler, records, tokenizer, max_tokens=args.max_tokens,
-                       samples_per_problem=args.samples_per_problem, temperature=args.temperature,
-                       max_concurrency=args.max_concurrency, seed=args.seed,
-                       progress=args.progress if args.progress is not None else sys.stderr.isatty())
+    try:
+        results = evaluate(sampler, records, tokenizer, max_tokens=args.max_tokens,
+                           samples_per_problem=args.samples_per_problem, temperature=args.temperature,
+                           max_concurrency=args.max_concurrency, seed=args.seed,
+                           progress=args.progress if args.progress is not None else sys.stderr.isatty())
+    except Exception as err:  # sampling failed for good (after pytrio's retries and ours): one line
+        from pytrio.errors.base import PyTrioError
+
+        from trio_helpers.rollouts import RetriesExhausted
+
+        if not isinstance(err, (PyTrioError, RetriesExhausted)):
+            raise
+        print(f"{parser.prog}: error: {str(err).splitlines()[0]}; nothing was written, rerun it later",
+              file=sys.stderr)
+        return 1
     if args.out is not None:
         save_records(results, args.out)
         print(f"records: {args.out}")

@@ -96,18 +96,26 @@ def session_usage():
     return sum(offline_usages(), Usage())
 
 
-def bill_line(usage) -> str:
-    """One line: real-token estimates of inference and training, optimizer steps and training runs.
-
-    This exact line ends every chapter (``chapter_bill``) and fills the introduction's cost table.
+def bill_parts(usage) -> tuple[str, str]:
+    """``(tokens, counts)``: real-token estimates of inference and training, and the optimizer steps and
+    training runs, as the two halves of :func:`bill_line`.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     b = real_tokens(usage)
     inf, low, high = b.inference
     spread = "" if math.isclose(low, high) else f" ({_k(low)}-{_k(high)})"
-    return (f"inference {_k(inf)}{spread}, training {_k(b.training[0])} tokens; "
+    return (f"inference {_k(inf)}{spread}, training {_k(b.training[0])} tokens",
             f"{b.counts['optimizer steps']} optimizer steps, {b.counts['training runs']} training runs")
+
+
+def bill_line(usage) -> str:
+    """One line: real-token estimates of inference and training, optimizer steps and training runs (what the
+    introduction's cost table and ``--dry-run`` show).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    return "; ".join(bill_parts(usage))
 
 
 LEDGER_ROWS = (("requests", "requests"), ("prompt_tokens", "sampling prompt tokens"),
@@ -130,7 +138,7 @@ def chapter_bill(usage=None) -> str:
         value = getattr(usage, name)
         if value or name == "requests":
             lines.append(f"  {label:<28}{value:>12,}")
-    lines += ["on the service, in Qwen tokens (TOKEN_RATIO):", "  " + bill_line(usage)]
+    lines += ["on the service, in Qwen tokens (TOKEN_RATIO):", *("  " + part for part in bill_parts(usage))]
     return "\n".join(lines)
 
 

@@ -542,3 +542,94 @@ def test_exhausted_windows_raise_pytrio_errors(tmp_path, small_windows):
         assert [_shape(e) for e in got[kind]] == [_shape(e) for e in ref[kind]], kind
     assert got["training"][0].operation == ref["training"][0].operation == "POST /v1/events"
     assert got["sampling"][0].operation == ref["sampling"][0].operation
+
+
+# --------------------------------------------------------- sampler and trainer numerics
+LONG_PROMPT = "Natalia sold clips to 48 of her friends in April, then half as many in May."
+
+
+def _sampler_vs_trainer(precision, home, seed=3):
+    """Mean |sample logprob - trainer logprob| over the sampled tokens, and the numbers."""
+    svc = connect("offline", latency=0.0, sampler_logit_precision=precision, home=home)
+    tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=1)
+    sampler = tc.save_weights_and_get_sampling_client()
+    tokens = list(LONG_PROMPT.encode())
+    params = trio.SamplingParams(max_tokens=24, seed=seed)  # T = 1, no truncation
+    res = sampler.sample(trio.ModelInput.from_ints(tokens), num_samples=4,
+                         sampling_params=params).result()
+    data, sampled = [], []
+    for seq in res.sequences:
+        full = tokens + seq.tokens
+        targets = np.asarray(full[1:], dtype=np.int64)
+        targets[: len(tokens) - 1] = -100
+        data.append(trio.Datum(model_input=trio.ModelInput.from_ints(full[:-1]),
+                               loss_fn_inputs={"target_tokens": targets}))
+        sampled.append(np.asarray(seq.logprobs))
+    out = tc.forward(data).result()
+    trainer = [o["logprobs"].to_numpy()[len(tokens) - 1:] for o in out.loss_fn_outputs]
+    prompt_lp = sampler.compute_logprobs(trio.ModelInput.from_ints(full)).result()
+    diff = np.concatenate([np.abs(s - t) for s, t in zip(sampled, trainer)])
+    return {"mean_abs": float(diff.mean()), "sampled": sampled, "trainer": trainer,
+            "tokens": [seq.tokens for seq in res.sequences],
+            "logprobs_of_last": np.asarray(prompt_lp[len(tokens):])}
+
+
+def test_sampler_and_trainer_agree_by_default(tmp_path):
+    got = _sampler_vs_trainer(None, tmp_path)
+    assert got["mean_abs"] < 1e-5
+    for s, t in zip(got["sampled"], got["trainer"]):
+        np.testing.assert_allclose(s, t, atol=1e-5)
+    # compute_logprobs (the sampler side) agrees with the trainer too
+    np.testing.assert_allclose(got["logprobs_of_last"], got["trainer"][-1], atol=1e-5)
+
+
+def test_sampler_logit_precision_makes_them_disagree_by_a_controlled_amount(tmp_path):
+    means = {}
+    for precision in ("float32", "float16", "bfloat16", "float8_e4m3"):
+        got = _sampler_vs_trainer(precision, tmp_path)
+        means[precision] = got["mean_abs"]
+        # compute_logprobs is served by the sampler: it matches the sample's own logprobs,
+        # not the trainer's
+        np.testing.assert_allclose(got["logprobs_of_last"], got["sampled"][-1], atol=1e-9)
+    assert 0 < means["float32"] < 1e-5
+    assert means["float32"] < means["float16"] < means["bfloat16"] < means["float8_e4m3"]
+    # small, as between an inference engine and a trainer
+    assert 1e-4 < means["bfloat16"] < 0.1
+
+
+def test_rounded_sampler_stays_deterministic_and_leaves_the_trainer_alone(tmp_path):
+    a = _sampler_vs_trainer("bfloat16", tmp_path)
+    b = _sampler_vs_trainer("bfloat16", tmp_path)
+    assert a["tokens"] == b["tokens"]
+    for x, y in zip(a["sampled"], b["sampled"]):
+        np.testing.assert_array_equal(x, y)
+    # the trainer computes the same numbers whatever the sampler's precision
+    data = [ce_datum(list(b"the trainer is never rounded"))]
+    outs = []
+    for precision in (None, "float8_e4m3"):
+        svc = connect("offline", latency=0.0, sampler_logit_precision=precision,
+                      home=tmp_path)
+        tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=1)
+        outs.append(tc.forward_backward(data).result())
+    assert outs[0] == outs[1]
+
+
+def test_round_mantissa_matches_numpy_float16_and_bfloat16_bits():
+    from trio_helpers.offline.precision import round_mantissa
+
+    x = np.random.default_rng(0).normal(scale=8.0, size=2000)
+    as_f16 = x.astype(np.float16).astype(np.float64)
+    as_f32 = x.astype(np.float32).astype(np.float64)
+    np.testing.assert_array_equal(round_mantissa(x, 10), as_f16)
+    np.testing.assert_array_equal(round_mantissa(x, 23), as_f32)
+    # bfloat16 is float32 with the low 16 bits rounded off (ties to even)
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    bf16 = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    np.testing.assert_array_equal(round_mantissa(x.astype(np.float32), 7), bf16)
+
+
+@pytest.mark.parametrize("bad", ["bf16", "float64", 16, ""])
+def test_sampler_logit_precision_is_validated(bad):
+    with pytest.raises(ValueError, match="sampler_logit_precision"):
+        connect("offline", sampler_logit_precision=bad)

@@ -69,6 +69,7 @@ from trio_helpers.offline import catalog
 from trio_helpers.offline.ledger import Ledger, Usage
 from trio_helpers.offline.losses import adamw_step, resolve_loss_config, run_batch
 from trio_helpers.offline.model import Adapter, TinyLM, log_softmax, sample_completions, sequence_features
+from trio_helpers.offline.precision import check_precision, sampler_model
 from trio_helpers.offline.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
 from trio_helpers.offline.transport import (
     FaultModel,
@@ -106,6 +107,12 @@ class OfflineOptions:
             0.9 s of real time but keeps real waits, so a retried request still finishes
             after its peers, as on the service; 0 never sleeps for retries.
         seed: seeds the fault injector, the retry jitter and the default sampling seeds.
+        sampler_logit_precision: None (default: the sampler computes exactly like the
+            trainer), or ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float8_e4m3"``:
+            every logit the sampler computes (sampling, sample and prompt logprobs,
+            ``compute_logprobs``) is rounded to that format's mantissa, so that sampler and
+            trainer logprobs differ as an inference engine's and a trainer's do
+            (``trio_helpers.offline.precision``).
         home: directory for checkpoints (fitted base models are cached separately, under
             ``$TRIO_OFFLINE_CACHE``).
     """
@@ -115,6 +122,7 @@ class OfflineOptions:
     outage_after: int | None = None
     retry_time_scale: float = 0.001
     seed: int = 0
+    sampler_logit_precision: str | None = None
     home: Path = field(default_factory=default_home)
 
     def __post_init__(self) -> None:
@@ -139,6 +147,7 @@ class OfflineOptions:
                 f"retry_time_scale must be in [0, 1] (real seconds per simulated second), "
                 f"got {self.retry_time_scale!r}; use 0 to never sleep for retries"
             )
+        check_precision(self.sampler_logit_precision)
         self.home = Path(self.home)
 
 
@@ -741,7 +750,8 @@ class OfflineSamplingClient:
         self.model_id = base_model
         self.base_model = base_model
         self.model_path = model_path
-        self._model = model
+        # an inference engine's numerics, if the service asks for them (off by default)
+        self._model = sampler_model(model, service.options.sampler_logit_precision)
         self._ledger = Ledger()
 
     def usage(self) -> Usage:

@@ -237,3 +237,39 @@ def test_outputs_have_no_local_paths_or_secrets(path: Path) -> None:
                     if pattern.search(text):
                         problems.append(f"cell {index}: something that looks like a {kind}")
     assert not problems, f"notebooks/{path.name}: outputs must not show machine paths or credentials:\n" + "\n".join(problems)
+
+
+# --- width -------------------------------------------------------------------------------------------
+
+MAX_LINE = 92  # characters: what the book's text column shows at a 1400-px window without clipping
+# Chapters whose code and text outputs must fit. Chapters 04-06 are added by the training-loop rework, which
+# rewrites them; every new chapter belongs here.
+WIDTH_CHECKED = ["01_gsm8k_data", "02_reward_parsing", "03_datum_alignment", "07_evaluation"]
+
+
+def _wide_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if len(line) > MAX_LINE]
+
+
+@pytest.mark.parametrize("stem", WIDTH_CHECKED)
+def test_code_and_outputs_fit_the_page(stem: str) -> None:
+    """No code line and no line of a text output (streams, text/plain, errors) is wider than MAX_LINE: the page
+    would cut it off. Reshape wide tables (fewer columns, shorter headers); never clip."""
+    path = NOTEBOOK_DIR / f"{stem}.ipynb"
+    problems = []
+    for index, cell in _code_cells(_load_ipynb(path)):
+        for line in _wide_lines(_source(cell)):
+            problems.append(f"cell {index} code ({len(line)} chars): {line[:60]!r}...")
+        for output in cell.get("outputs", []):
+            texts = []
+            if output.get("output_type") == "stream":
+                texts.append(_joined(output.get("text", "")))
+            if "text/plain" in output.get("data", {}) and "image/png" not in output.get("data", {}):
+                texts.append(_joined(output["data"]["text/plain"]))
+            if output.get("output_type") == "error":
+                texts.append(f"{output.get('ename', '')}: {output.get('evalue', '')}")
+            for text in texts:
+                for line in _wide_lines(text):
+                    problems.append(f"cell {index} output ({len(line)} chars): {line[:60]!r}...")
+    assert not problems, (f"notebooks/{stem}: lines wider than {MAX_LINE} characters (reshape them in "
+                          f"notebooks/{stem}.md, then `make notebook NB=notebooks/{stem}.md`):\n" + "\n".join(problems))

@@ -518,7 +518,8 @@ def failure_counts(records: Sequence[dict]) -> dict[str, int]:
 def grading_note(record: dict) -> str:
     """One line saying what the grader saw: the last box (or its absence), the gold answer and the verdict.
 
-    For format failures it also says what a lenient reader would have found and whether that was right.
+    For format failures it also says what a lenient reader would have found and whether that was right; for
+    truncations, where the answer was cut off. Under 92 characters for answers of a few digits.
 
     Introduced in: chapter 07 (notebooks/07_evaluation).
     """
@@ -531,9 +532,9 @@ def grading_note(record: dict) -> str:
         verdict = "match" if record["correct"] else "no match"
         note = f"last \\boxed{{}} holds {box.strip()!r}, gold {gold!r}: {verdict}"
     else:
-        note = f"no \\boxed{{}} in the response (gold {gold!r}): reward 0"
+        note = f"no \\boxed{{}} (gold {gold!r}): reward 0"
     if category == "truncated":
-        note += f"; cut off after {record['tokens']} tokens (max_tokens={record['max_tokens']})"
+        note += f"; cut off at max_tokens={record['max_tokens']}"
     elif category == "format":
         lenient = extract_answer_flexible(record["response"])
         right = "right" if answers_match(lenient, gold) else "wrong"

@@ -1,7 +1,10 @@
-"""Tests of trio_helpers.distillation: teacher-logprob slicing, reverse-KL advantages, the OPD loop (offline)."""
+"""Tests of trio_helpers.distillation: teacher-logprob slicing, reverse-KL advantages, the OPD scorer, and OPD
+runs on the offline backend. The loop itself (modes, resume, failures) is tested for both scorers in
+``test_loop.py`` and ``test_loop_failures.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -9,19 +12,20 @@ import pytest
 
 from trio_helpers.distillation import (
     OPDConfig,
-    Rollout,
-    batch_for_step,
+    OPDScorer,
     exact_reverse_kl_offline,
     final_line_start,
     opd_datum,
     opd_prompt,
     reverse_kl_advantages,
-    rollout_metrics,
     run_opd,
     sampled_reverse_kl,
     teacher_completion_logprobs,
+    teacher_kl,
     token_kl_html,
 )
+from trio_helpers.rl import Group
+from trio_helpers.rollouts import RequestLimiter, run_sync
 
 # --- teacher_completion_logprobs -----------------------------------------------------------------------------
 
@@ -114,18 +118,54 @@ def test_opd_datum_carries_per_token_advantages_on_completion_positions():
     assert datum.loss_fn_inputs["target_tokens"].to_numpy().tolist() == [-100, -100, -100, 7, 8, 9]
 
 
-def test_rollout_metrics_on_hand_computed_rollouts():
-    rollouts = [Rollout(0, None, _Seq([1, 2], [-1.0, -1.0]), [-1.5, -0.5]),  # kl [0.5, -0.5]
-                Rollout(0, None, _Seq([3], [-2.0]), [-3.0])]  # kl [1.0]
-    m = rollout_metrics(rollouts, max_tokens=2)
-    assert m["reverse_kl_mean"] == pytest.approx(1.0 / 3)
-    assert m["reverse_kl_seq_mean"] == pytest.approx(0.5)
-    assert m["completion_tokens_total"] == 3 and m["frac_max_tokens"] == 0.5
+def _scored_group(index, prompt, pairs) -> Group:
+    """A scored OPD group from ``(student_logprobs, teacher_logprobs)`` pairs (tokens 1, 2, ...)."""
+    seqs = [_Seq(list(range(1, len(s) + 1)), s) for s, _ in pairs]
+    advantages = [reverse_kl_advantages(s, t) for s, t in pairs]
+    return Group(index, prompt, seqs, None, advantages, {"teacher_logprobs": [list(t) for _, t in pairs]})
 
 
-def test_batches_wrap_around():
-    records = [{"question": str(i)} for i in range(5)]
-    assert [r["question"] for r in batch_for_step(records, 2, 2)] == ["4", "0"]
+def test_scorer_metrics_on_hand_computed_groups():
+    groups = [_scored_group(0, None, [([-1.0, -1.0], [-1.5, -0.5])]),  # kl [0.5, -0.5]
+              _scored_group(1, None, [([-2.0], [-3.0])])]  # kl [1.0]
+    m = OPDScorer(OPDConfig()).metrics(groups)
+    assert m["kl/teacher_mean"] == pytest.approx(1.0 / 3)
+    assert m["kl/teacher_std"] == pytest.approx(np.std([0.5, -0.5, 1.0]))
+    assert m["kl/teacher_seq_mean"] == pytest.approx(0.5)  # (0 + 1) / 2 completions
+    np.testing.assert_allclose(teacher_kl(groups[0]), [0.5, -0.5])
+    empty = OPDScorer(OPDConfig()).metrics([Group(0, None, [], None, [], {"teacher_logprobs": []})])
+    assert all(math.isnan(v) for v in empty.values())
+
+
+class _Teacher:
+    """A teacher whose logprob of every token is -1 (entry 0 is None, as compute_logprobs returns it)."""
+
+    def __init__(self) -> None:
+        self.scored: list[list[int]] = []
+
+    async def compute_logprobs_async(self, model_input):
+        tokens = model_input.to_ints()
+        self.scored.append(tokens)
+        await asyncio.sleep(0)
+        return [None] + [-1.0] * (len(tokens) - 1)
+
+
+def test_the_scorer_asks_the_teacher_about_every_non_empty_completion():
+    import pytrio as trio
+
+    teacher = _Teacher()
+    scorer = OPDScorer(OPDConfig(kl_penalty_coef=2.0), teacher=teacher)
+    scorer.setup(service=None)  # a teacher was given: nothing to create
+    assert scorer.teacher is teacher
+    prompt = trio.ModelInput.from_ints([5, 6, 7])
+    sequences = [_Seq([8, 9], [-0.25, -3.0]), _Seq([], []), _Seq([10], [-1.0])]
+    group = run_sync(scorer.score(4, prompt, {"question": "q"}, sequences, RequestLimiter(2)))
+    assert teacher.scored == [[5, 6, 7, 8, 9], [5, 6, 7, 10]]  # prompt + completion, the empty one dropped
+    assert group.index == 4 and [s.tokens for s in group.sequences] == [[8, 9], [10]]
+    assert group.rewards is None and not group.degenerate
+    np.testing.assert_allclose(group.advantages[0], [-1.5, 4.0])  # -2 * (student - teacher)
+    np.testing.assert_allclose(group.advantages[1], [0.0])
+    assert group.extras["teacher_logprobs"] == [[-1.0, -1.0], [-1.0]]
 
 
 def test_config_validation_names_the_field():
@@ -193,64 +233,52 @@ def _small_config(**overrides):
     return OPDConfig(**{**base, **overrides})
 
 
-def test_async_rollouts_give_the_same_datums_as_sync(offline):
-    service, train, _ = offline
-    runs = {}
-    for mode in ("sync", "async"):
-        datums = []
-        run_opd(service, train, _small_config(rollout=mode, max_concurrency=3),
-                on_step=lambda out, keep=datums: keep.append(out.datums))
-        runs[mode] = datums
-    assert len(runs["sync"]) == 3 and all(len(d) == 4 for d in runs["sync"])
-    assert runs["sync"] == runs["async"]
-
-
-def test_sampler_refresh_steps_makes_the_sampler_stale(offline):
-    service, train, _ = offline
-    result = run_opd(service, train, _small_config(steps=4, sampler_refresh_steps=2))
-    assert result.series("sampler_age").tolist() == [0.0, 1.0, 0.0, 1.0]
-    lag = result.series("policy_lag")
-    assert lag[0] < 1e-6 and lag[2] < 1e-6  # fresh sampler: trainer and sampler logprobs agree (float32 rounding)
-    assert lag[1] > 1e-4 and lag[3] > 1e-4  # one update old: they differ
-
-
 def test_loss_equals_the_sampled_reverse_kl_at_a_fresh_sampler(offline):
     service, train, _ = offline
     result = run_opd(service, train, _small_config(steps=1, kl_penalty_coef=2.0))
     h = result.history[0]
-    assert h["loss"] == pytest.approx(2.0 * h["reverse_kl_mean"], rel=1e-4, abs=1e-6)
+    assert h["train/loss"] == pytest.approx(2.0 * h["kl/teacher_mean"], rel=1e-4, abs=1e-6)
+    assert h["train/datums"] == 4 and h["train/policy_lag"] < 1e-6
+    assert result.scorer.teacher is not None  # run_opd created the teacher and returns it with the result
 
 
 def test_a_step_without_datums_raises(offline):
-    from trio_helpers.distillation import train_on_rollouts
+    from trio_helpers.loop import train_step_metrics
 
     service, _, _ = offline
     client = service.create_lora_training_client("Qwen/Qwen3.5-4B", rank=4, seed=0)
-    with pytest.raises(RuntimeError, match="step 7 produced no datums"):
-        train_on_rollouts(client, [], OPDConfig(), None, step=7)
+    import pytrio as trio
+
+    config = OPDConfig(max_tokens=64)
+    prompt = trio.ModelInput.from_ints([5, 6, 7])
+    empty = [Group(0, prompt, [], None, [], {"teacher_logprobs": []})]  # every completion was empty
+    with pytest.raises(RuntimeError, match=r"step 7 produced no datums .*max_tokens \(64\)"):
+        train_step_metrics(client, OPDScorer(config), empty, config, 7, 10)
 
 
 def test_short_opd_run_lowers_the_reverse_kl_at_fixed_held_out_states(offline):
-    """10 steps of 4 prompts x 2 at lr 4e-5 (about 2 s), measured exactly at fixed states: the untrained student's
-    samples of 16 held-out prompts x 2. Over seeds 0-5 the mean fell by 17-26% and the final-answer-line part by
-    52-56%; the asserted bounds are looser than the worst seed. (On-policy measures on so few samples are too noisy
-    to assert on: one unlucky held-out sample can dominate them.)"""
-    import pytrio as trio
-
-    from trio_helpers.distillation import collect_rollouts, exact_rollout_kl_offline
+    """6 steps of 4 prompts x 2 at lr 8e-5, measured exactly at fixed states: the untrained student's samples of
+    16 held-out prompts x 2 (sampled by the loop's own rollout_batch, seed 777). Over seeds 0-3 the mean fell by
+    15-17% and the final-answer-line part by 24-33%; the asserted bounds are looser than the worst seed.
+    (On-policy measures on so few samples are too noisy to assert on: one unlucky held-out sample can dominate
+    them.)"""
+    from trio_helpers.distillation import exact_rollout_kl_offline
+    from trio_helpers.loop import rollout_batch
 
     service, train, held = offline
-    config = _small_config(steps=10, batch_size=4, group_size=2, max_tokens=256, seed=3, learning_rate=4e-5)
+    config = _small_config(steps=6, batch_size=4, group_size=2, max_tokens=256, seed=3, learning_rate=8e-5)
     base = service.create_sampling_client(config.base_model)
     teacher = service.create_sampling_client(config.teacher_base_model)
     tokenizer = base.get_tokenizer()
-    prompts = [opd_prompt(tokenizer, r) for r in held[:16]]
-    fixed = collect_rollouts(base, teacher, prompts, 2, lambda i: trio.SamplingParams(max_tokens=256, seed=777 + i))
+    fixed_config = _small_config(max_tokens=256, seed=777)
+    fixed = run_sync(rollout_batch(base, OPDScorer(fixed_config, teacher=teacher), tokenizer,
+                                   list(enumerate(held[:16])), fixed_config, 0, RequestLimiter(8)))
     before = exact_rollout_kl_offline(base, teacher, fixed)
     result = run_opd(service, train, config, teacher=teacher)
+    assert result.scorer.teacher is teacher
     after = exact_rollout_kl_offline(result.training_client.save_weights_and_get_sampling_client(), teacher, fixed)
-    assert after["mean"] < 0.95 * before["mean"]
-    assert after["final_line"] < 0.7 * before["final_line"]
+    assert after["mean"] < 0.9 * before["mean"]
+    assert after["final_line"] < 0.82 * before["final_line"]
 
 
 def test_sampled_estimate_is_near_zero_when_teacher_is_the_student(offline):

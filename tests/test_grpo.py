@@ -1,8 +1,10 @@
-"""Tests of trio_helpers.grpo (config, batches, seeds, one step, a whole run, resume) and trio_helpers.tracking.
+"""Tests of trio_helpers.grpo (config, the GSM8K reward and scorer, one step, a whole run, resume), the loop's
+batch/seed/schedule helpers it uses, and trio_helpers.tracking.
 
 Runs use the offline backend with no simulated latency and a temporary offline home for checkpoints. The steps
-that must learn use the fitted student ("Qwen/Qwen3.5-4B", cached by conftest) with small batches; the file runs
-in well under 20 seconds.
+that must learn use the fitted student ("Qwen/Qwen3.5-4B", cached by conftest) with small batches; runs that only
+exercise the mechanics use ``offline/tiny``. The loop's modes, resume and failures are tested for both scorers in
+``test_loop.py`` and ``test_loop_failures.py``.
 """
 
 from __future__ import annotations
@@ -19,13 +21,20 @@ import pytest
 from trio_helpers.datums import IGNORE
 from trio_helpers.grpo import (
     GRPOConfig,
+    GRPOScorer,
+    grade_groups,
+    grpo_step,
+    gsm8k_reward,
+    run_grpo,
+)
+from trio_helpers.loop import (
+    adam_params_at,
     batch_for_step,
     config_from_dict,
-    grpo_step,
+    format_row,
     learning_rate_at,
     read_checkpoints,
     request_seed,
-    run_grpo,
     sampling_params_for,
     total_steps_for,
 )
@@ -87,6 +96,15 @@ def test_defaults_are_the_tutorials() -> None:
         ("swanlab", "local", "swanlab"),
         ("weights_name", "a/b", "weights_name"),
         ("seed", -3, "seed"),
+        ("top_k", 0, "top_k"),
+        ("beta1", 1.0, "beta1"),
+        ("loss_fn", "mse", "loss_fn"),
+        ("loss_fn_config", [0.8], "loss_fn_config"),
+        ("base_model", " ", "base_model"),
+        ("max_staleness", 0, "max_staleness"),
+        ("sampler_refresh_steps", 0, "sampler_refresh_steps"),
+        ("group_size", 1, "group_size"),
+        ("lora_rank", "32", "lora_rank"),
     ],
 )
 def test_validate_names_the_field(field: str, value, match: str) -> None:
@@ -101,8 +119,9 @@ def test_save_every_needs_a_run_dir() -> None:
 
 
 def test_config_round_trips_through_a_dict() -> None:
-    c = small(lr_schedule="cosine", run_dir="runs/x")
-    assert config_from_dict({**asdict(c), "unknown": 1}) == c
+    c = small(lr_schedule="cosine", run_dir="runs/x", loss_fn_config={"clip_low_threshold": 0.8})
+    assert config_from_dict(GRPOConfig, {**asdict(c), "unknown": 1}) == c
+    assert config_from_dict(GRPOConfig, json.loads(json.dumps(asdict(c)))) == c  # what config.json holds
 
 
 # --- batches, seeds and the schedule --------------------------------------------------------------------------
@@ -138,27 +157,54 @@ def test_sampling_params_are_seeded_per_step_and_prompt() -> None:
 
 def test_learning_rate_schedules() -> None:
     assert learning_rate_at(GRPOConfig(learning_rate=1e-5), 7, 10) == 1e-5
-    cosine = GRPOConfig(learning_rate=1e-5, lr_schedule="cosine")
+    cosine = GRPOConfig(learning_rate=1e-5, lr_schedule="cosine", beta1=0.8, beta2=0.9)
     assert learning_rate_at(cosine, 0, 10) == pytest.approx(1e-5)
     assert learning_rate_at(cosine, 5, 10) == pytest.approx(0.5e-5)
+    adam = adam_params_at(cosine, 5, 10)
+    assert (adam.learning_rate, adam.beta1, adam.beta2) == (pytest.approx(0.5e-5), 0.8, 0.9)
+
+
+def test_format_row_shows_headline_metrics_and_no_wall_clock() -> None:
+    row = {"step": 3, "reward/mean": 0.25, "reward/frac_degenerate": 0.5, "train/datums": 4.0,
+           "train/tokens": 812.0, "train/loss": -0.0123, "train/lr": 4e-5, "time/step_s": 1.7}
+    line = format_row(row, GRPOScorer.headline)
+    assert line == ("step   3  reward 0.2500  degenerate 0.5000  datums   4  tokens    812  loss -0.0123  "
+                    "lr 4.0e-05")
+    assert "loss -" in format_row({**row, "train/loss": None})  # nothing was trained
+
+
+def test_gsm8k_reward_and_group_advantages() -> None:
+    record = {"question": "What is 6 * 7?", "answer": "6 * 7 = 42\n#### 42"}
+    assert gsm8k_reward("so the answer is \\boxed{42}", record) == 1.0
+    assert gsm8k_reward("\\boxed{41}", record) == 0.0 and gsm8k_reward("42", record) == 0.0  # boxed only
+
+    class Seq:
+        def __init__(self, text):
+            self.text, self.tokens, self.logprobs = text, [1], [-1.0]
+
+    groups = grade_groups([(0, record)], [None], [[Seq("\\boxed{42}"), Seq("\\boxed{7}")]], advantage="std")
+    np.testing.assert_allclose(groups[0].rewards, [1.0, 0.0])
+    np.testing.assert_allclose(groups[0].advantages, [1.0, -1.0], rtol=1e-6)
 
 
 # --- one step ------------------------------------------------------------------------------------------------
 
 
 def test_grpo_step_datums_and_metrics_are_consistent(service, train_records) -> None:
-    config = small(batch_size=4)
+    config = small(batch_size=4, max_tokens=160)
     tc = service.create_lora_training_client(STUDENT, rank=32, seed=0)
     tokenizer = tc.get_tokenizer()
     result = grpo_step(tc, batch_for_step(train_records, 0, 4, False), config, 0, tokenizer)
     m = result.metrics
     assert len(result.groups) == 4 and all(len(g.sequences) == 4 for g in result.groups)
     data = step_datums(result.groups)
-    assert m["datums"] == len(data) == 4 * sum(not g.degenerate for g in result.groups)
-    assert m["train_tokens"] == sum(len(d.model_input) for d in data)
-    assert m["frac_degenerate"] == np.mean([g.degenerate for g in result.groups])
-    assert m["reward"] == np.mean([r for g in result.groups for r in g.rewards])
-    assert 0 < m["completion_tokens_mean"] <= m["completion_tokens_max"] <= config.max_tokens
+    assert m["step"] == 0 and m["sampler/version"] == 0 and m["sampler/staleness"] == 0
+    assert m["train/datums"] == len(data) == 4 * sum(not g.degenerate for g in result.groups) > 0
+    assert m["train/tokens"] == sum(len(d.model_input) for d in data)
+    assert m["reward/frac_degenerate"] == np.mean([g.degenerate for g in result.groups])
+    assert m["reward/mean"] == np.mean([r for g in result.groups for r in g.rewards])
+    assert 0 < m["completion/tokens_mean"] <= m["completion/tokens_max"] <= config.max_tokens
+    assert result.sampler is not None and m["train/lr"] == config.learning_rate
     for g in result.groups:
         p = len(g.prompt.to_ints())
         assert g.advantages.sum() == pytest.approx(0.0, abs=1e-9)
@@ -177,7 +223,7 @@ def test_async_rollout_samples_what_sync_samples(service, train_records) -> None
     rows = []
     for rollout in ("sync", "async"):
         tc = service.create_lora_training_client(STUDENT, rank=32, seed=0)
-        result = grpo_step(tc, batch, small(batch_size=3, rollout=rollout), 0, tc.get_tokenizer())
+        result = grpo_step(tc, batch, small(batch_size=3, max_tokens=64, rollout=rollout), 0, tc.get_tokenizer())
         rows.append([(s.tokens, float(r)) for g in result.groups for s, r in zip(g.sequences, g.rewards)])
     assert rows[0] == rows[1]
 
@@ -201,10 +247,10 @@ def _logprobs_of(sampler, tokens) -> np.ndarray:
 
 
 def test_three_step_run_changes_the_adapter(service, train_records, tmp_path) -> None:
-    config = small(steps=3, batch_size=4, run_dir=str(tmp_path / "run"))
+    config = small(steps=3, batch_size=2, group_size=2, max_tokens=128, run_dir=str(tmp_path / "run"))
     result = run_grpo(service, train_records, config, progress=False)
     assert [r["step"] for r in result.history] == [0, 1, 2]
-    assert sum(r["datums"] for r in result.history) > 0, "no non-degenerate group: nothing was trained"
+    assert sum(r["train/datums"] for r in result.history) > 0, "no non-degenerate group: nothing was trained"
     assert result.final_path.startswith("trio-offline://") and result.final_path.endswith("/weights/final")
     base = service.create_sampling_client(STUDENT)
     trained = service.create_sampling_client(STUDENT, model_path=result.final_path)
@@ -227,25 +273,30 @@ class CrashAfter(MetricsLogger):
         return super().log(step, metrics)
 
 
-def test_resume_continues_steps_and_metrics_exactly(service, train_records, tmp_path) -> None:
-    config = small(steps=5, batch_size=2, save_every=2, run_dir=str(tmp_path / "interrupted"))
+def test_an_interruption_while_logging_resumes_exactly(service, tmp_path) -> None:
+    """Ctrl-C inside the logger (the row of step 3 never written): resume redoes steps 2.. from checkpoint 2."""
+    config = small(base_model="offline/tiny", lora_rank=8, steps=5, batch_size=1, group_size=3, max_tokens=8,
+                   seed=1, save_every=2, run_dir=str(tmp_path / "interrupted"))
+    def reward(text, record):  # signal for the untrained tiny model
+        return float(len(text) % 2)
+
     with pytest.raises(KeyboardInterrupt):
-        run_grpo(service, train_records, config, logger=CrashAfter(config.run_dir, crash_at=3), progress=False)
+        run_grpo(service, RECORDS, config, logger=CrashAfter(config.run_dir, crash_at=3), reward_fn=reward)
     assert [c["step"] for c in read_checkpoints(config.run_dir)] == [2]
     assert [r["step"] for r in read_metrics(config.run_dir)] == [0, 1, 2]
 
-    resumed = run_grpo(service, train_records, config, resume=True, progress=False)
+    resumed = run_grpo(service, RECORDS, config, resume=True, reward_fn=reward)
     assert resumed.start_step == 2
     steps = [r["step"] for r in read_metrics(config.run_dir)]
     assert steps == [0, 1, 2, 3, 4], "each step exactly once, none missing"
     assert [r["step"] for r in resumed.history] == steps
     assert [c["step"] for c in resumed.checkpoints] == [2, 4, 5]  # one more every 2 steps, and the final state
 
-    straight = run_grpo(service, train_records, replace(config, run_dir=str(tmp_path / "straight")), progress=False)
-    keys = ("reward", "datums", "train_tokens", "train_tokens_skipped", "completion_tokens_mean")
-    for a, b in zip(straight.history, resumed.history):
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
-        assert (a["loss"] is None and b["loss"] is None) or a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    straight = run_grpo(service, RECORDS, replace(config, run_dir=str(tmp_path / "straight")), reward_fn=reward)
+    timeless = [[{k: v for k, v in row.items() if not k.startswith("time/")} for row in r.history]
+                for r in (straight, resumed)]
+    assert timeless[0] == timeless[1]
+    assert sum(row["train/datums"] for row in straight.history) > 0
 
 
 def test_resume_errors(service, train_records, tmp_path) -> None:
@@ -258,6 +309,9 @@ def test_resume_errors(service, train_records, tmp_path) -> None:
     run_grpo(service, train_records, config, progress=False)
     with pytest.raises(ValueError, match="batch_size: saved 2, now 3"):
         run_grpo(service, train_records, replace(config, batch_size=3), resume=True, progress=False)
+    # the settings a resumed run may change
+    run_grpo(service, train_records, replace(config, steps=3, max_concurrency=2), resume=True, progress=False)
+    assert [r["step"] for r in read_metrics(tmp_path / "r")] == [0, 1, 2]
 
 
 def test_a_fresh_run_replaces_old_metrics(service, tmp_path) -> None:
@@ -269,6 +323,20 @@ def test_a_fresh_run_replaces_old_metrics(service, tmp_path) -> None:
 
 
 # --- metrics logger ------------------------------------------------------------------------------------------
+
+
+def test_a_torn_last_row_is_dropped_with_a_message_and_a_corrupt_middle_row_is_an_error(tmp_path, capsys) -> None:
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"step": 0, "reward/mean": 0.5}\n{"step": 1, "reward/me')
+    assert read_metrics(tmp_path / "run") == [{"step": 0, "reward/mean": 0.5}]
+    assert str(path) in capsys.readouterr().err
+    resumed = MetricsLogger(tmp_path / "run", resume=True)  # a resumed run continues after the whole rows
+    resumed.log(1, {"reward/mean": 1.0})
+    assert read_metrics(tmp_path / "run") == [{"step": 0, "reward/mean": 0.5}, {"step": 1, "reward/mean": 1.0}]
+    path.write_text('{"step": 0}\n{"step": 1, "rew\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not a JSON row"):
+        read_metrics(tmp_path / "run")
 
 
 def test_metrics_logger_writes_jsonl_and_truncates(tmp_path) -> None:

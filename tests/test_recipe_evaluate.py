@@ -73,6 +73,25 @@ def test_pass_at_k_mode_prints_every_k(capsys) -> None:
 def test_python_dash_m_runs() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "trio_helpers.recipes.evaluate", *TINY, "--eval-samples", "2"],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "base" in done.stdout and "accuracy" in done.stdout
+
+
+def test_offline_backend_flags(capsys, monkeypatch) -> None:
+    """Faults cost time, not answers; an outage mid-evaluation is one line, exit 1, and no records file."""
+    from pytrio.config.config import configuration
+
+    assert recipe.main([*TINY, "--eval-samples", "4", "--out", "clean.jsonl"]) == 0
+    assert recipe.main([*TINY, "--eval-samples", "4", "--out", "faulty.jsonl", "--fault-rate", "0.3",
+                        "--latency", "0.001"]) == 0
+    assert load_records("faulty.jsonl") == load_records("clean.jsonl")
+    capsys.readouterr()
+    for name in ("training_retry_timeout_seconds", "sampling_retry_timeout_seconds",
+                 "control_retry_timeout_seconds"):
+        monkeypatch.setattr(configuration, name, 20)  # the outage surfaces after 20 ms instead of 0.9 s
+    assert recipe.main([*TINY, "--eval-samples", "4", "--out", "down.jsonl", "--outage-after", "2"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(f"{recipe.build_parser().prog}: error: sample (problem ") and "HTTP 503" in err[0]
+    assert not Path("down.jsonl").exists()

@@ -1,17 +1,21 @@
-"""Tests of the command-line recipe ``python -m trio_helpers.recipes.grpo``: flag validation and a tiny run.
+"""Tests of the command-line recipe ``python -m trio_helpers.recipes.grpo``: flag validation, a tiny run, and the
+issue's done-when for this recipe (faults, an outage, Ctrl-C, a torn metrics row; defined once, for both recipes,
+in ``test_loop_failures.py``).
 
 Flag errors are checked in-process through ``main(argv)`` (argparse exits with status 2 and names the flag); one
-subprocess run checks that ``python -m`` works end to end on the offline backend.
+subprocess run checks that ``python -m`` works end to end on the offline backend, another sends it a real SIGINT.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_loop_failures import GRPO_RECIPE, RecipeDoneWhen, short_windows  # noqa: F401 - a fixture
 
 from trio_helpers.recipes import grpo as recipe
 
@@ -44,7 +48,12 @@ def offline_home(tmp_path, monkeypatch):
         (["--advantage", "median"], "argument --advantage: invalid choice"),
         (["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice"),
         (["--swanlab", "local"], "argument --swanlab: invalid choice"),
-        (["--weights-name", "a/b"], "weights_name must be a non-empty name without '/'"),
+        (["--weights-name", "a/b"], "weights_name must be a name without '/'"),
+        (["--group-size", "1"], "group_size=1: GRPO compares completions of the same prompt"),
+        (["--temperature", "0"], "temperature=0 samples the same completion group_size times"),
+        (["--max-staleness", "0"], "argument --max-staleness: must be an integer >= 1, got 0"),
+        (["--pipeline", "--sampler-refresh-steps", "2"], "sampler_refresh_steps=2 with rollout='pipeline'"),
+        (["--loss-config", "clip"], "argument --loss-config: must be KEY=VALUE"),
     ],
 )
 def test_bad_flags_exit_with_status_2_and_name_the_flag(argv, message, capsys) -> None:
@@ -54,35 +63,42 @@ def test_bad_flags_exit_with_status_2_and_name_the_flag(argv, message, capsys) -
     assert message in capsys.readouterr().err
 
 
-def test_async_without_rollouts_module_exits_with_a_clear_message(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "trio_helpers.rollouts", None)  # makes the import fail
-    with pytest.raises(SystemExit) as exc:
-        recipe.main(["--async", *TINY])
-    assert exc.value.code == 2
-    assert "--async needs trio_helpers.rollouts" in capsys.readouterr().err
-
-
 def test_flags_map_onto_the_config() -> None:
     args = recipe.build_parser().parse_args(
         ["--steps", "7", "--advantage", "std", "--lr-schedule", "cosine", "--keep-degenerate", "--async",
-         "--swanlab", "--save-every", "3", "--run-dir", "runs/x", "--top-p", "0.9"])
+         "--swanlab", "--save-every", "3", "--run-dir", "runs/x", "--top-p", "0.9", "--loss-fn", "ppo",
+         "--loss-config", "clip_low_threshold=0.8", "--loss-config", "clip_high_threshold=1.2",
+         "--max-concurrency", "5", "--weights-name", ""])
     c = recipe.config_from_args(args)
     assert (c.steps, c.advantage, c.lr_schedule, c.skip_degenerate, c.rollout) == (7, "std", "cosine", False, "async")
-    assert (c.swanlab, c.save_every, c.run_dir, c.top_p) == ("online", 3, "runs/x", 0.9)
+    assert (c.swanlab, c.save_every, c.run_dir, c.top_p, c.max_concurrency) == ("online", 3, "runs/x", 0.9, 5)
+    assert c.loss_fn == "ppo" and c.loss_fn_config == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert c.weights_name is None  # an empty name: no final sampler weights
     no = recipe.config_from_args(recipe.build_parser().parse_args(["--swanlab", "offline", "--no-swanlab"]))
     assert no.swanlab == "disabled"
+    piped = recipe.config_from_args(recipe.build_parser().parse_args(["--pipeline", "--max-staleness", "3"]))
+    assert (piped.rollout, piped.max_staleness) == ("pipeline", 3)
+    defaults = recipe.config_from_args(recipe.build_parser().parse_args([]))
+    assert (defaults.steps, defaults.batch_size, defaults.group_size, defaults.rollout) == (10, 4, 4, "sync")
+
+
+def _step_lines(out: str) -> list[str]:
+    return [line.split()[1] for line in out.splitlines() if line.startswith("step ")]
 
 
 def test_tiny_run_prints_a_line_per_step_and_resumes(capsys) -> None:
     assert recipe.main([*TINY, "--steps", "3", "--save-every", "2", "--run-dir", "runs/t"]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
-    assert "final weights: trio-offline://" in out
+    assert _step_lines(out) == ["0", "1", "2"]  # 0-based, as in metrics.jsonl
+    assert all("reward" in line and "datums" in line for line in out.splitlines() if line.startswith("step "))
+    assert "rollout sync" in out and "final weights: trio-offline://" in out
+    assert "last saved state (resume with --resume --run-dir runs/t)" in out
     assert recipe.main([*TINY, "--steps", "4", "--save-every", "2", "--run-dir", "runs/t", "--resume"]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["4/4"]
-    lines = (Path("runs/t") / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 4
+    assert _step_lines(out) == ["3"] and ", resuming" in out
+    rows = [json.loads(line) for line in (Path("runs/t") / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert {"reward/mean", "train/datums", "sampler/version", "time/step_s"} <= set(rows[0])
 
 
 def test_resume_without_a_checkpoint_fails_with_status_1(capsys) -> None:
@@ -90,19 +106,32 @@ def test_resume_without_a_checkpoint_fails_with_status_1(capsys) -> None:
     assert "no saved state" in capsys.readouterr().err
 
 
+def test_interrupted_without_checkpoints_says_so(monkeypatch, capsys) -> None:
+    from trio_helpers import grpo
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "run_grpo", interrupted)
+    assert recipe.main([*TINY, "--steps", "2", "--run-dir", "runs/i"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [(f"{recipe.build_parser().prog}: interrupted; finished steps are in metrics.jsonl; no state "
+                    "was saved (--save-every 0): rerun it")]
+    assert grpo.run_grpo is not interrupted
+
+
 def test_python_dash_m_runs(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "trio_helpers.recipes.grpo", *TINY, "--steps", "2", "--run-dir", "runs/m"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True, text=True, env=env, timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "step 2/2" in done.stdout and "final weights: trio-offline://" in done.stdout
+    assert _step_lines(done.stdout) == ["0", "1"] and "final weights: trio-offline://" in done.stdout
 
 
-def test_pipeline_without_rollouts_module_exits_with_a_clear_message(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "trio_helpers.rollouts", None)
-    with pytest.raises(SystemExit) as exc:
-        recipe.main(["--pipeline", *TINY])
-    assert exc.value.code == 2
-    assert "--pipeline needs trio_helpers.rollouts.run_grpo_pipelined" in capsys.readouterr().err
+class TestDoneWhen(RecipeDoneWhen):
+    """Faults, an outage, Ctrl-C and a torn metrics row, for the GRPO recipe (see ``test_loop_failures.py``)."""
+
+    recipe = GRPO_RECIPE
+    outage_mode = "pipeline"

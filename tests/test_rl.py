@@ -1,7 +1,8 @@
 """Tests of trio_helpers.rl: advantages, degenerate groups, datums of a group and a step, metrics, the training call.
 
 Pure functions are tested on hand-made groups (``SampleSequence`` objects built directly); the training call runs
-on the offline backend's ``offline/tiny`` model (random weights, no fitting), so the file runs in about a second.
+on the offline backend's ``offline/tiny`` model (random weights, no fitting), and its ordering (no ``optim_step``
+before ``forward_backward`` succeeded) on a recording fake client, so the file runs in about a second.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pytrio.types import SampleSequence
 from trio_helpers.datums import IGNORE
 from trio_helpers.rl import (
     Group,
+    completion_metrics,
     cosine_lr,
     datum_tokens,
     group_advantages,
@@ -23,7 +25,8 @@ from trio_helpers.rl import (
     is_degenerate,
     make_group,
     prob_degenerate,
-    rollout_metrics,
+    ratio_metrics,
+    reward_metrics,
     sample_groups,
     step_datums,
     train_on_groups,
@@ -180,18 +183,56 @@ def test_step_datums_concatenates_non_degenerate_groups() -> None:
     assert len(step_datums(groups, skip_degenerate=False)) == 7
 
 
-def test_rollout_metrics() -> None:
+def test_completion_and_reward_metrics() -> None:
     groups = [group([1, 0], lengths=[4, 8]), group([0, 0], lengths=[8, 2])]
-    m = rollout_metrics(groups, max_tokens=8)
-    assert m == {
-        "reward": 0.25,
-        "frac_degenerate": 0.5,
-        "completion_tokens_mean": 5.5,
-        "completion_tokens_max": 8.0,
-        "frac_max_tokens": 0.5,
+    expected = {
+        "completion/tokens_mean": 5.5,
+        "completion/tokens_max": 8.0,
+        "completion/tokens_total": 22.0,
+        "completion/frac_max_tokens": 0.5,
     }
+    m = completion_metrics(groups, max_tokens=8)
+    assert {k: m[k] for k in expected} == expected and all(k.startswith("completion/") for k in m)
+    assert reward_metrics(groups) == {"reward/mean": 0.25, "reward/frac_degenerate": 0.5}
     with pytest.raises(ValueError, match="at least one completion"):
-        rollout_metrics([], max_tokens=8)
+        completion_metrics([], max_tokens=8)
+    with pytest.raises(ValueError, match="graded groups"):
+        reward_metrics([Group(0, PROMPT, [seq([1], "x")], None, [np.zeros(1)])])  # a distillation group
+
+
+def test_a_group_without_rewards_is_degenerate_only_when_every_advantage_is_zero() -> None:
+    sequences = [seq([20, 21], "a"), seq([22], "b")]
+    assert Group(0, PROMPT, sequences, None, [np.zeros(2), np.zeros(1)]).degenerate
+    assert not Group(0, PROMPT, sequences, None, [np.array([0.0, 0.5]), np.zeros(1)]).degenerate
+
+
+def test_per_token_advantages_reach_the_datum() -> None:
+    sequences = [seq([20, 21, 22], "a")]
+    g = Group(0, PROMPT, sequences, None, [np.array([0.5, -1.0, 2.0])])
+    (d,) = group_datums(g, skip_degenerate=False)
+    p = len(PROMPT.to_ints())
+    assert d.loss_fn_inputs["advantages"].data == pytest.approx([0.0] * (p - 1) + [0.5, -1.0, 2.0])
+
+
+class _FB:
+    def __init__(self, logprobs) -> None:
+        from pytrio.types import TensorData
+
+        self.loss_fn_outputs = [{"logprobs": TensorData.from_numpy(np.asarray(lp, dtype=np.float32))}
+                                for lp in logprobs]
+
+
+def test_ratio_metrics_compare_trainer_and_sampler_logprobs_on_trained_tokens() -> None:
+    g = group([1, 0], lengths=[2, 1])  # sampler logprobs are -0.5 everywhere
+    data = group_datums(g)
+    p = len(PROMPT.to_ints())
+    # the trainer's logprobs: garbage on the masked prompt positions, then log-ratios of +0.5 / -0.25 / 0
+    trainer = [[9.0] * (p - 1) + [0.0, -0.75], [9.0] * (p - 1) + [-0.5]]
+    m = ratio_metrics(data, _FB(trainer))
+    assert m["train/ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(-0.25) + 1.0) / 3, rel=1e-6)
+    assert m["train/ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert m["train/policy_lag"] == pytest.approx(0.25, rel=1e-6)
+    assert all(math.isnan(v) for v in ratio_metrics(data, _FB(trainer[:1])).values())  # one output missing
 
 
 # --- the training call, on the offline backend ---------------------------------------------------------------
@@ -224,18 +265,73 @@ def test_train_on_groups_counts_sent_and_skipped_tokens(tiny) -> None:
     groups = _sampled_groups(tc, [[1, 0, 0], [1, 1, 1], [0, 1, 0]])
     m = train_on_groups(tc, groups, AdamParams(learning_rate=1e-3))
     sent = step_datums(groups)
-    assert m["datums"] == 6.0
-    assert m["train_tokens"] == sum(len(d.model_input) for d in sent)
-    assert m["train_tokens_skipped"] == datum_tokens(groups[1])
-    assert math.isfinite(m["loss"]) and m["optim/grad_norm"] > 0
+    assert m["train/datums"] == 6.0
+    assert m["train/tokens"] == sum(len(d.model_input) for d in sent)
+    assert m["train/tokens_skipped"] == datum_tokens(groups[1])
+    assert math.isfinite(m["train/loss"]) and m["optim/grad_norm"] > 0
+    assert m["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["train/policy_lag"] < 1e-5  # a fresh sampler
 
 
 def test_train_on_groups_sends_nothing_when_every_group_is_degenerate(tiny) -> None:
     _, tc = tiny
     groups = _sampled_groups(tc, [[0, 0], [1, 1]])
     m = train_on_groups(tc, groups, AdamParams(learning_rate=1e-3))
-    assert m["datums"] == 0.0 and m["train_tokens"] == 0.0 and math.isnan(m["loss"])
-    assert m["train_tokens_skipped"] == sum(datum_tokens(g) for g in groups)
+    assert m["train/datums"] == 0.0 and m["train/tokens"] == 0.0 and math.isnan(m["train/loss"])
+    assert m["train/tokens_skipped"] == sum(datum_tokens(g) for g in groups)
+    assert not any(k.startswith("optim/") for k in m)  # nothing sent: no optimizer step either
     kept = train_on_groups(tc, groups, AdamParams(learning_rate=1e-3), skip_degenerate=False)
-    assert kept["datums"] == 4.0 and kept["train_tokens_skipped"] == 0.0
-    assert kept["loss"] == pytest.approx(0.0, abs=1e-12)  # zero advantages: zero loss, but tokens were spent
+    assert kept["train/datums"] == 4.0 and kept["train/tokens_skipped"] == 0.0
+    assert kept["train/loss"] == pytest.approx(0.0, abs=1e-12)  # zero advantages: zero loss, tokens spent
+
+
+class RecordingClient:
+    """A training client whose futures record when they are submitted and when their result is read."""
+
+    def __init__(self, fail_forward_backward: bool = False) -> None:
+        self.events: list[str] = []
+        self.fail = fail_forward_backward
+
+    def _future(self, name, value):
+        client = self
+
+        class Future:
+            def result(self, timeout=None):
+                client.events.append(f"{name} result")
+                if isinstance(value, BaseException):
+                    raise value
+                return value
+
+        self.events.append(f"{name} submitted")
+        return Future()
+
+    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+        from pytrio.errors.actor import ActorEventSubmitError
+        from pytrio.types import ForwardBackwardOutput
+
+        if self.fail:
+            return self._future("forward_backward", ActorEventSubmitError(
+                "Actor request failed with HTTP 503", status_code=503, code="", operation="POST /v1/events"))
+        return self._future("forward_backward", ForwardBackwardOutput(loss_fn_outputs=[],
+                                                                      metrics={"loss_mean": 0.5}))
+
+    def optim_step(self, adam_params):
+        from pytrio.types import OptimStepResponse
+
+        return self._future("optim_step", OptimStepResponse(metrics={"step": 1.0}))
+
+
+def test_optim_step_is_submitted_only_after_forward_backward_succeeded() -> None:
+    client = RecordingClient()
+    m = train_on_groups(client, [group([1, 0])], AdamParams(learning_rate=1e-3))
+    assert client.events == ["forward_backward submitted", "forward_backward result", "optim_step submitted",
+                             "optim_step result"]
+    assert m["train/loss"] == 0.5 and m["optim/step"] == 1.0
+
+
+def test_a_failed_forward_backward_sends_no_optim_step() -> None:
+    from pytrio.errors.actor import ActorEventSubmitError
+
+    client = RecordingClient(fail_forward_backward=True)
+    with pytest.raises(ActorEventSubmitError, match="HTTP 503"):
+        train_on_groups(client, [group([1, 0])], AdamParams(learning_rate=1e-3))
+    assert client.events == ["forward_backward submitted", "forward_backward result"]

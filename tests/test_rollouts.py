@@ -1,8 +1,10 @@
-"""Concurrent rollouts, retries and pipelined GRPO (trio_helpers.rollouts, chapter 05).
+"""Concurrent rollouts and user-level retries (trio_helpers.rollouts, chapter 05).
 
 No timing assertions: the concurrency checks count requests in flight from the start/end events, ordering checks
 use a fake sampler whose responses arrive in a known, shuffled order, and the retry checks compare results with a
-fault-free run of the same seeds.
+fault-free run of the same seeds. Transient faults of the offline backend are retried inside its clients (as
+pytrio's transport does), so user-level retries are exercised with fake samplers that fail on purpose. Pipelined
+rollouts are a mode of the training loop: ``tests/test_loop.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from pytrio.errors.base import PyTrioError, ValidationError
 from trio_helpers import connect
 from trio_helpers.data import load_gsm8k
 from trio_helpers.grpo import GRPOConfig, run_grpo
+from trio_helpers.loop import TIMING_PREFIX
 from trio_helpers.rollouts import (
+    RequestLimiter,
     RetriesExhausted,
     RetryPolicy,
+    gather_or_cancel,
     is_retryable,
-    run_grpo_pipelined,
     run_sync,
     sample_groups_async,
     with_retries,
@@ -42,6 +46,10 @@ def prompts(n: int) -> list:
 
 def params_for(i: int):
     return trio.SamplingParams(max_tokens=8, seed=1000 + i)
+
+
+def without_timing(rows) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING_PREFIX)} for row in rows]
 
 
 def tokens(groups) -> list[list[list[int]]]:
@@ -66,11 +74,15 @@ class InFlight:
 
 
 class FakeSampler:
-    """``sample_async`` that answers prompt ``i`` after ``delays[i]`` seconds with a sequence naming ``i``."""
+    """``sample_async`` that answers prompt ``i`` after ``delays[i]`` seconds with a sequence naming ``i``.
 
-    def __init__(self, delays, fail=None) -> None:
+    ``fail[i]`` is raised by every attempt of prompt ``i``; ``flaky`` prompts fail their first ``flaky[i]``
+    attempts with a transient error, then succeed."""
+
+    def __init__(self, delays, fail=None, flaky=None) -> None:
         self.delays = delays
         self.fail = fail or {}
+        self.flaky = dict(flaky or {})
         self.calls: list[int] = []
         self.finished: list[int] = []
 
@@ -78,6 +90,9 @@ class FakeSampler:
         i = prompt.to_ints()[0]
         self.calls.append(i)
         await asyncio.sleep(self.delays[i])
+        if self.flaky.get(i, 0) > 0:
+            self.flaky[i] -= 1
+            raise transient(f"prompt {i} busy")
         if i in self.fail:
             raise self.fail[i]
         self.finished.append(i)
@@ -101,14 +116,14 @@ def test_concurrency_limit_is_respected_and_reached(tmp_path, limit):
     assert [len(g) for g in groups] == [2] * 10
 
 
-def test_concurrency_limit_holds_while_retrying(tmp_path):
-    service = connect("offline", latency=0.01, fault_rate=0.3, seed=3, home=tmp_path)
-    sampler = service.create_sampling_client(TINY)
+def test_concurrency_limit_holds_while_retrying():
+    sampler = FakeSampler([0.01] * 12, flaky={i: 2 for i in range(0, 12, 3)})
     recorder = InFlight()
-    run_sync(sample_groups_async(sampler, prompts(12), 2, params_for, max_concurrency=4, retries=FAST,
-                                 on_event=recorder, progress=False))
-    assert recorder.count("error") > 0  # faults did happen
-    assert recorder.peak <= 4
+    groups = run_sync(sample_groups_async(sampler, fake_prompts(12), 2, params_for, max_concurrency=4,
+                                          retries=FAST, on_event=recorder, progress=False))
+    assert recorder.count("error") == 8  # four flaky prompts, two failed attempts each
+    assert recorder.peak <= 4  # a request keeps its slot while it backs off
+    assert [[s.tokens for s in g] for g in groups] == [[[i, k] for k in range(2)] for i in range(12)]
 
 
 def test_results_are_in_prompt_order_whatever_the_completion_order():
@@ -150,20 +165,30 @@ def test_progress_bar_advances_once_per_prompt(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------ retries
-def test_retries_lose_and_duplicate_nothing_under_faults(tmp_path):
+def test_offline_faults_are_retried_inside_the_client_and_never_reach_user_code(tmp_path):
     clean = connect("offline", latency=0.0, home=tmp_path)
     faulty = connect("offline", latency=0.0, fault_rate=0.3, seed=11, home=tmp_path)
     expected = run_sync(sample_groups_async(clean.create_sampling_client(TINY), prompts(16), 3, params_for,
                                             progress=False))
     recorder = InFlight()
     got = run_sync(sample_groups_async(faulty.create_sampling_client(TINY), prompts(16), 3, params_for,
-                                       retries=FAST, on_event=recorder, progress=False))
-    assert recorder.count("error") > 0  # some requests failed and were retried
-    assert recorder.count("start") == 16 + recorder.count("error")
+                                       retries=None, on_event=recorder, progress=False))
+    assert faulty.usage().retries > 0  # faults did happen ...
+    assert recorder.count("error") == 0 and recorder.count("start") == 16  # ... and none reached this code
+    assert tokens(got) == tokens(expected)  # the fault-free samples, exactly
+
+
+def test_user_level_retries_lose_and_duplicate_nothing():
+    sampler = FakeSampler([0.0] * 16, flaky={i: 1 + i % 3 for i in range(0, 16, 2)})
+    recorder = InFlight()
+    got = run_sync(sample_groups_async(sampler, fake_prompts(16), 3, params_for, retries=FAST, on_event=recorder,
+                                       progress=False))
+    failures = sum(1 + i % 3 for i in range(0, 16, 2))
+    assert recorder.count("error") == failures and recorder.count("start") == 16 + failures
     ends = [i for kind, i in recorder.events if kind == "end"]
     assert sorted(ends) == list(range(16))  # every prompt succeeded exactly once
-    assert [len(g) for g in got] == [3] * 16
-    assert tokens(got) == tokens(expected)  # and returned exactly the fault-free samples
+    assert sorted(sampler.finished) == list(range(16))
+    assert [[s.tokens for s in g] for g in got] == [[[i, k] for k in range(3)] for i in range(16)]
 
 
 def test_non_retryable_errors_are_raised_at_once():
@@ -171,7 +196,7 @@ def test_non_retryable_errors_are_raised_at_once():
                   PyTrioError("not transient", retryable=False), ValueError("a bug"), KeyError("x")):
         calls = []
 
-        async def call(error=error):
+        async def call(error=error, calls=calls):
             calls.append(1)
             raise error
 
@@ -257,59 +282,45 @@ def test_run_sync_works_inside_a_running_event_loop():
     assert asyncio.run(outer()) == 42
 
 
-# --------------------------------------------------------------------------------------------------- pipelining
-RECORDS = load_gsm8k("train", source="offline")
+# ---------------------------------------------------------------------------------------------- the limiter
+def test_request_limiter_validates_its_arguments():
+    with pytest.raises(ValueError, match="max_concurrency must be an integer >= 1"):
+        RequestLimiter(0)
+    with pytest.raises(ValueError, match="max_concurrency"):
+        RequestLimiter(True)
+    with pytest.raises(TypeError, match="retries must be a RetryPolicy or None"):
+        RequestLimiter(2, retries=3)
 
 
-def small_config(**overrides) -> GRPOConfig:
-    values = dict(steps=4, batch_size=2, group_size=4, max_tokens=48, seed=3, learning_rate=2e-4,
-                  max_concurrency=4)
-    return GRPOConfig(**{**values, **overrides})
+def test_request_limiter_bounds_every_request_it_is_given():
+    limiter, recorder = RequestLimiter(3, FAST, on_event=None), InFlight()
+    limiter.on_event = recorder
+
+    async def request(i):
+        await asyncio.sleep(0.005)
+        return i * i
+
+    async def main():
+        return await gather_or_cancel(limiter.call(lambda i=i: request(i), what=f"r{i}", index=i)
+                                      for i in range(10))
+
+    assert run_sync(main()) == [i * i for i in range(10)]
+    assert recorder.peak == 3 and recorder.count("end") == 10
 
 
-@pytest.mark.parametrize("max_staleness, expected", [(0, [0, 0, 0, 0, 0]), (1, [0, 1, 1, 1, 1]),
-                                                      (2, [0, 1, 2, 2, 2])])
-def test_pipelined_run_keeps_staleness_within_the_bound(tmp_path, max_staleness, expected):
-    service = connect("offline", latency=0.005, home=tmp_path)
-    events = []
-    result = run_grpo_pipelined(service, RECORDS, small_config(base_model=TINY, steps=5, max_tokens=16),
-                                max_staleness=max_staleness, progress=False,
-                                on_event=lambda kind, step, t: events.append((kind, step)))
-    assert [row["step"] for row in result.history] == list(range(5))
-    assert [row["staleness"] for row in result.history] == expected
-    assert all(row["staleness"] <= max_staleness for row in result.history)
-    assert [row["sampler_version"] for row in result.history] == [max(0, s - max_staleness) for s in range(5)]
-    assert result.final_path is not None
-    # batch s starts sampling before batch s - max_staleness trains: the overlap the schedule allows
-    order = {event: i for i, event in enumerate(events)}
-    for s in range(1, 5):
-        assert (order[("sample_start", s)] < order[("train_start", s - 1)]) == (max_staleness >= 1)
-        assert order[("sample_end", s)] < order[("train_start", s)]
+def test_gather_or_cancel_cancels_the_others_when_one_fails():
+    finished = []
 
+    async def slow(i):
+        await asyncio.sleep(0.2)
+        finished.append(i)
 
-def test_pipelined_without_staleness_reproduces_run_grpo(tmp_path):
-    service = connect("offline", latency=0.0, home=tmp_path)
-    config = small_config(steps=3)
-    plain = run_grpo(service, RECORDS, config, progress=False).history
-    piped = run_grpo_pipelined(service, RECORDS, config, max_staleness=0, progress=False).history
-    for key in ("reward", "frac_degenerate", "datums", "train_tokens", "loss", "completion_tokens_mean"):
-        assert [row[key] for row in piped] == [row[key] for row in plain], key
+    async def broken():
+        raise ValueError("a bug")
 
-
-def test_pipelined_results_do_not_depend_on_timing(tmp_path):
-    config = small_config(steps=3)
-    runs = []
-    for latency in (0.0, 0.02):
-        service = connect("offline", latency=latency, home=tmp_path)
-        runs.append(run_grpo_pipelined(service, RECORDS, config, max_staleness=1, progress=False).history)
-    for key in ("reward", "datums", "loss", "staleness"):
-        assert [row[key] for row in runs[0]] == [row[key] for row in runs[1]], key
-
-
-def test_pipelined_rejects_a_negative_staleness(tmp_path):
-    service = connect("offline", latency=0.0, home=tmp_path)
-    with pytest.raises(ValueError, match="max_staleness"):
-        run_grpo_pipelined(service, RECORDS, small_config(base_model=TINY), max_staleness=-1, progress=False)
+    with pytest.raises(ValueError, match="a bug"):
+        run_sync(gather_or_cancel([slow(0), broken(), slow(1)]))
+    assert finished == []
 
 
 def test_without_a_retry_policy_the_first_transient_error_is_raised_as_is():
@@ -320,15 +331,24 @@ def test_without_a_retry_policy_the_first_transient_error_is_raised_as_is():
     assert sampler.calls.count(1) == 1
 
 
-def test_pipelined_run_retries_failed_sampling_and_matches_a_clean_run(tmp_path, monkeypatch):
-    """Transient sampling failures cost retries, not samples: the run's numbers equal a fault-free run's."""
+# ----------------------------------------------------------------------------------- the loop's sampling retries
+RECORDS = load_gsm8k("train", source="offline")
+
+
+def test_the_loop_retries_failed_sampling_and_matches_a_clean_run(tmp_path, monkeypatch):
+    """A transient sampling error that reaches the loop (after pytrio's own retries) costs a retry, not a sample:
+    every mode's rows equal a fault-free run's."""
     from trio_helpers.offline.service import OfflineSamplingClient
 
-    config = small_config(steps=3)
-    clean = run_grpo_pipelined(connect("offline", latency=0.0, home=tmp_path), RECORDS, config, progress=False)
+    base = GRPOConfig(base_model=TINY, lora_rank=8, steps=3, batch_size=2, group_size=3, max_tokens=8, seed=3,
+                      max_concurrency=4)
+    def reward(text, record):  # signal for the untrained tiny model
+        return float(len(text) % 2)
+
     original, failed = OfflineSamplingClient.sample_async, []
 
-    async def fails_once(self, prompt, num_samples=1, sampling_params=trio.SamplingParams(), **kwargs):
+    async def fails_once(self, prompt, num_samples=1, sampling_params=None, **kwargs):
+        sampling_params = sampling_params or trio.SamplingParams()
         key = (tuple(prompt.to_ints()), sampling_params.seed)
         if key not in failed:  # the first attempt of every request fails
             failed.append(key)
@@ -336,8 +356,14 @@ def test_pipelined_run_retries_failed_sampling_and_matches_a_clean_run(tmp_path,
         return await original(self, prompt, num_samples, sampling_params, **kwargs)
 
     monkeypatch.setattr(OfflineSamplingClient, "sample_async", fails_once)
-    faulty = run_grpo_pipelined(connect("offline", latency=0.0, home=tmp_path), RECORDS, config, progress=False,
-                                retries=FAST)
-    assert len(failed) == config.steps * config.batch_size
-    for key in ("reward", "datums", "train_tokens", "loss"):
-        assert [row[key] for row in faulty.history] == [row[key] for row in clean.history], key
+    for rollout in ("sync", "async", "pipeline"):
+        config = GRPOConfig(**{**base.__dict__, "rollout": rollout})
+        monkeypatch.setattr(OfflineSamplingClient, "sample_async", original)
+        clean = run_grpo(connect("offline", latency=0.0, home=tmp_path), RECORDS, config, reward_fn=reward)
+        monkeypatch.setattr(OfflineSamplingClient, "sample_async", fails_once)
+        failed.clear()
+        faulty = run_grpo(connect("offline", latency=0.0, home=tmp_path), RECORDS, config, reward_fn=reward,
+                          retries=FAST)
+        assert len(failed) == config.steps * config.batch_size, rollout
+        assert without_timing(faulty.history) == without_timing(clean.history), rollout
+        assert sum(row["train/datums"] for row in clean.history) > 0

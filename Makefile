@@ -40,7 +40,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 # `make test` runs the suite on two pytest-xdist workers (this is a 2-core machine); `--dist loadfile` keeps each
 # file on one worker, so a notebook's cells run in order on one kernel. Plain `pytest` runs serially.
-# benchmarks/bench_book.py reads TEST_ARGS from this line and times the notebooks exactly this way.
+# benchmarks/bench_book.py times the notebooks with this target's own command (`make -n test`).
 TEST_ARGS := -n 2 --dist loadfile
 
 test: venv

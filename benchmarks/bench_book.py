@@ -1,0 +1,212 @@
+"""How long the book's notebooks take under strict nbval, run exactly as ``make test`` runs them (one run, a table).
+
+Usage::
+
+    python benchmarks/bench_book.py               # the notebooks, the way make test runs them; bar: <= 60 s
+    python benchmarks/bench_book.py --repeats 2   # run twice, keep the faster run (other processes only add time)
+    python benchmarks/bench_book.py --serial      # the same with TEST_ARGS= (no parallel workers: the "before")
+    python benchmarks/bench_book.py --all         # the whole of make test (unit tests too), not just notebooks/
+    python benchmarks/bench_book.py notebooks/05_grpo_async.ipynb   # some notebooks only
+
+What runs: the pytest command of ``make test``, taken from ``make -n test`` (so its environment and its
+``TEST_ARGS`` are exactly the Makefile's; strict nbval and the sanitize file come from pyproject.toml's
+``addopts``), with ``notebooks`` appended (and ``-q -p bench_book``, this file as a plugin that records
+durations). ``--serial`` runs ``make -n test TEST_ARGS=``. Run ``make venv`` first if requirements changed.
+
+What is printed: per notebook, the seconds its cells took (setup + call + teardown of every cell item, so the
+kernel start and shutdown are included), the CPU seconds of its kernel process (independent of how busy the
+machine is, unlike the wall times), the worker it ran on and how many cells passed/failed; with parallel
+workers each notebook runs whole on one worker, so these are the notebook's own wall times and they add up to
+more than the total. Then the total wall time of the whole pytest process (start-up, the session-start fit or
+cache load of the offline models, worker start-up, every notebook) with PASS/FAIL against ``--budget`` (60 s,
+issue 10), the CPU time of every process of the run (a floor for the wall time on an idle machine, useful when
+other processes share it) and the slowest cells. A notebook that fails nbval still counts with its time. Exit
+status 1 if the total is over budget, 2 if it is within budget but a notebook failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGET_S = 60.0
+
+
+# ------------------------------------------------------------------------------ pytest plugin (``-p bench_book``)
+# Loaded into the pytest process under test (and, with pytest-xdist, into each worker, where it does nothing): the
+# controller sees every report, including the workers', and writes per-file durations to $BENCH_BOOK_OUT.
+def pytest_runtest_logreport(report) -> None:
+    out = os.environ.get("BENCH_BOOK_OUT")
+    if not out or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    path = report.nodeid.split("::")[0]
+    _CELLS[report.nodeid] = _CELLS.get(report.nodeid, 0.0) + float(report.duration or 0.0)
+    row = _ROWS[path]
+    row["seconds"] += float(report.duration or 0.0)
+    if report.when == "call" or report.failed:  # a failed setup/teardown counts as a failed cell too
+        row["failed" if report.failed else ("skipped" if report.skipped else "passed")] += 1
+    node = getattr(report, "node", None)
+    gateway = getattr(node, "gateway", None)
+    if gateway is not None:
+        row["worker"] = gateway.id
+
+
+def pytest_sessionfinish(session) -> None:
+    out = os.environ.get("BENCH_BOOK_OUT")
+    if out and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(out).write_text(json.dumps({"files": dict(_ROWS), "cells": _CELLS}), encoding="utf-8")
+
+
+def _process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, from /proc (None where that is unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Before a notebook's kernel is shut down (its last cell's teardown), read the kernel's CPU time."""
+    out = os.environ.get("BENCH_BOOK_OUT")
+    kernel = getattr(item.parent, "kernel", None)
+    if out and kernel is not None and (nextitem is None or nextitem.parent is not item.parent):
+        process = getattr(getattr(getattr(kernel, "km", None), "provisioner", None), "process", None)
+        cpu = _process_cpu_seconds(process.pid) if process is not None else None
+        if cpu is not None:
+            path = item.nodeid.split("::")[0]
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            kernels = Path(f"{out}.kernels.{worker}.json")
+            known = json.loads(kernels.read_text(encoding="utf-8")) if kernels.exists() else {}
+            known[path] = cpu
+            kernels.write_text(json.dumps(known), encoding="utf-8")
+    yield
+
+
+_ROWS: dict = defaultdict(lambda: {"seconds": 0.0, "passed": 0, "failed": 0, "skipped": 0, "worker": "-"})
+_CELLS: dict[str, float] = {}
+
+
+# -------------------------------------------------------------------------------------------------- the runner
+def make_test_command(serial: bool = False) -> str:
+    """The shell command ``make test`` runs (``make -n test``), with ``TEST_ARGS`` emptied for ``serial``.
+
+    Raises:
+        RuntimeError: make prints no pytest command, or wants to rebuild the venv first (run ``make venv``).
+    """
+    command = ["make", "-n", "-s", "--no-print-directory", "test"] + (["TEST_ARGS="] if serial else [])
+    lines = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    lines = [line.strip() for line in lines if line.strip()]
+    if not lines or " -m pytest" not in lines[-1]:
+        raise RuntimeError(f"`{' '.join(command)}` printed no pytest command: {lines}")
+    if len(lines) > 1:
+        raise RuntimeError("make test would rebuild the venv first (requirements changed): run `make venv`, "
+                           "then this benchmark")
+    return lines[-1]
+
+
+def run_once(paths: list[str], command: str) -> tuple[float, float, int, dict, str]:
+    """Run ``command`` (make test's pytest line) on ``paths`` once.
+
+    Returns:
+        (wall seconds, CPU seconds of every process of the run (pytest, its workers and kernels), exit status,
+        ``{"files": per-file rows, "cells": per-item seconds}``, pytest's last output lines).
+    """
+    with tempfile.TemporaryDirectory(prefix="bench_book_") as tmp:
+        out = Path(tmp) / "rows.json"
+        env = {**os.environ, "BENCH_BOOK_OUT": str(out),
+               "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+        full = f"{command} -p bench_book -q {' '.join(shlex.quote(p) for p in paths)}"
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        proc = subprocess.run(["bash", "-c", full], cwd=REPO, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        rows = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {"files": {}, "cells": {}}
+        for kernels in Path(tmp).glob("rows.json.kernels.*.json"):
+            for path, seconds in json.loads(kernels.read_text(encoding="utf-8")).items():
+                rows["files"].setdefault(path, {"seconds": 0.0, "passed": 0, "failed": 0, "skipped": 0,
+                                                "worker": "-"})["kernel_cpu"] = seconds
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    return wall, cpu, proc.returncode, rows, tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="*", default=["notebooks"], help="what to run (default: notebooks)")
+    ap.add_argument("--repeats", type=int, default=1, help="run this many times and keep the fastest (default 1)")
+    ap.add_argument("--serial", action="store_true", help="leave out the Makefile's TEST_ARGS (no parallel workers)")
+    ap.add_argument("--all", action="store_true", help="time the whole of make test, not only notebooks/")
+    ap.add_argument("--cells", type=int, default=5, help="also list the N slowest cells (default 5; 0: none)")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds allowed (default {BUDGET_S:g})")
+    args = ap.parse_args(argv)
+
+    command = make_test_command(serial=args.serial)
+    paths = [] if args.all else args.paths
+    best = None
+    load = os.getloadavg()[0]
+    for _ in range(max(1, args.repeats)):
+        result = run_once(paths, command)
+        if best is None or result[0] < best[0]:
+            best = result
+    wall, cpu, status, result, tail = best
+    rows, cells = result["files"], result["cells"]
+
+    what = "make test (unit tests + notebooks)" if args.all else f"{' '.join(paths)} under strict nbval"
+    print(f"{what}: {command} {' '.join(paths)}")
+    print(f"{os.cpu_count()} cpus, 1-minute load average {load:.1f} before the run; fastest of "
+          f"{max(1, args.repeats)} runs")
+    shown = {k: v for k, v in rows.items() if args.all is False or k.endswith(".ipynb")}
+    if args.all:
+        units = [v for k, v in rows.items() if not k.endswith(".ipynb")]
+        if units:
+            shown["(unit tests, all files)"] = {
+                "seconds": sum(u["seconds"] for u in units), "passed": sum(u["passed"] for u in units),
+                "failed": sum(u["failed"] for u in units), "skipped": sum(u["skipped"] for u in units),
+                "worker": ",".join(sorted({u["worker"] for u in units})),
+            }
+    print(f"{'file':<34}{'seconds':>9}{'kernel cpu':>11}  {'worker':<7}{'passed':>7}{'failed':>7}  result")
+    failed_files = []
+    for name in sorted(shown):
+        row = shown[name]
+        ok = row["failed"] == 0
+        if not ok:
+            failed_files.append(name)
+        kcpu = f"{row['kernel_cpu']:.1f}" if "kernel_cpu" in row else "-"
+        print(f"{name:<34}{row['seconds']:>9.1f}{kcpu:>11}  {row['worker']:<7}{row['passed']:>7}{row['failed']:>7}"
+              f"  {'ok' if ok else 'FAILED'}")
+    kernel_cpu = sum(r.get("kernel_cpu", 0.0) for r in shown.values())
+    print(f"{'sum of the files above':<34}{sum(r['seconds'] for r in shown.values()):>9.1f}{kernel_cpu:>11.1f}")
+    print(f"{'CPU time, every process of the run':<34}{cpu:>9.1f}  (so >= {cpu / os.cpu_count():.1f} s wall on "
+          f"{os.cpu_count()} idle cpus)")
+    within = wall <= args.budget
+    print(f"{'total wall (whole pytest run)':<34}{wall:>9.1f}  budget {args.budget:g} s: "
+          f"{'PASS' if within else 'FAIL'}")
+    if args.cells:
+        slow = sorted(((s, k) for k, s in cells.items() if k.split("::")[0].endswith(".ipynb")), reverse=True)
+        print(f"slowest cells: " + "; ".join(f"{k.removeprefix('notebooks/')} {s:.1f}s"
+                                             for s, k in slow[:args.cells]))
+    print(f"pytest exit status {status}: {tail.splitlines()[-1] if tail else ''}")
+    if failed_files:
+        print("failed under nbval (their time still counts): " + ", ".join(failed_files))
+    if not within:
+        return 1
+    return 2 if failed_files or status not in (0,) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,8 @@ Measured:
   ``--allow-eos``) the end-of-turn tokens that always stop a sequence on the service are switched off *for this
   benchmark only*, so the workload is the same whatever the model;
 - forward_backward tokens/s on the resulting datums (``importance_sampling``, group-centred toy advantages);
-- a GRPO-shaped step at latency 0: refresh the sampler, sample the group, forward_backward + optim_step;
+- a GRPO-shaped step at latency 0: refresh the sampler, sample the group, forward_backward, then (once it
+  succeeded, the order of ``trio_helpers.rl.train_on_groups``) optim_step;
 - ``import trio_helpers`` and ``import trio_helpers; connect("offline")`` times, each in a fresh subprocess;
 - 8 sequential sync requests vs 8 concurrent ``sample_async`` requests at ``--latency`` seconds.
 
@@ -162,10 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         sampler = tc.save_weights_and_get_sampling_client()
         results = _sample_group(trio, sampler, prompts, args.samples, args.max_tokens, seed=100 * (step + 2))
         data = _datums(trio, prompts, results)
-        fb = tc.forward_backward(data, loss_fn="importance_sampling")
-        opt = tc.optim_step(trio.AdamParams(learning_rate=1e-4))
-        fb.result()
-        opt.result()
+        # the loop's order (trio_helpers.rl.train_on_groups): optim_step only once forward_backward succeeded
+        tc.forward_backward(data, loss_fn="importance_sampling").result()
+        tc.optim_step(trio.AdamParams(learning_rate=1e-4)).result()
         times.append(time.perf_counter() - t0)
     rows.append(
         (

@@ -52,13 +52,12 @@ def records(kind: str) -> tuple:
 
 
 def make_config(kind: str, **overrides) -> LoopConfig:
-    """A small config of either scorer: 4 steps of at most 12 tokens per completion; GRPO 1 prompt x 3
-    completions (its one-shot prompts are long; with seed 1 no group of the first steps ties, in any mode),
-    OPD 2 prompts x 2 completions."""
-    values = dict(base_model=TINY, lora_rank=8, steps=4, batch_size=2, group_size=2, max_tokens=12, seed=0,
+    """A small config of either scorer: 4 steps of 1 prompt, at most 12 tokens per completion; GRPO 3
+    completions per prompt (with seed 1 no group of the first steps ties, in any mode), OPD 2."""
+    values = dict(base_model=TINY, lora_rank=8, steps=4, batch_size=1, group_size=2, max_tokens=12, seed=0,
                   learning_rate=1e-3, max_concurrency=4)
     if kind == "grpo":
-        return GRPOConfig(**{**values, "batch_size": 1, "group_size": 3, "seed": 1, **overrides})
+        return GRPOConfig(**{**values, "group_size": 3, "seed": 1, **overrides})
     return OPDConfig(**{**values, "teacher_base_model": TEACHER, **overrides})
 
 

@@ -140,7 +140,7 @@ def test_an_outage_at_any_request_stops_cleanly_and_resumes_exactly(kind, home, 
     """Sweep the first failing request over every request of a 2-step run that saves after every step (12
     requests for GRPO, 17 for OPD): the sampler refresh (a training event and a control call), sampling, the
     teacher's compute_logprobs, forward_backward, optim_step, save_state, and the final weights."""
-    small = dict(batch_size=1, group_size=1) if kind == "opd" else {}
+    small = {"group_size": 1} if kind == "opd" else {}
     config = make_config(kind, steps=2, save_every=1, max_tokens=4, run_dir=str(tmp_path / "clean"), **small)
     clean_service = connect("offline", latency=0.0, home=home)
     clean = run(kind, clean_service, config)
@@ -181,7 +181,7 @@ class SpyTrainingClient:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_optim_step_follows_a_failed_forward_backward(kind, home, tmp_path, short_windows) -> None:
-    config = make_config(kind, steps=4, save_every=1, run_dir=str(tmp_path / "probe"))
+    config = make_config(kind, steps=3, save_every=1, run_dir=str(tmp_path / "probe"))
 
     def spied(service):
         return SpyTrainingClient(service.create_lora_training_client(config.base_model, rank=config.lora_rank,

@@ -1,6 +1,8 @@
 # Build, test and regenerate the PyTRIO RL book. Every target runs inside .venv, created on first use.
 #
 #   make book                          build the HTML book from the committed notebook outputs (no execution)
+#   make book-zh                       build the Simplified Chinese edition into _build/zh_CN/html (locales/)
+#   make catalogs                      regenerate the Chinese edition's message catalogs from the English text
 #   make test                          unit tests + strict nbval over notebooks/*.ipynb on the offline backend
 #   make test-service                  run every chapter on the real service (needs `trio login`) and check it
 #   make notebook NB=notebooks/NN_x.md re-execute one chapter offline and rewrite its .ipynb/.md pair
@@ -22,10 +24,10 @@ STAMP := $(VENV)/.installed
 RUN_ENV := env -u MPLBACKEND TRIO_BACKEND=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 JUPYTER_PREFER_ENV_PATH=1
 CELL_TIMEOUT := 600
 
-.PHONY: help venv test test-service book notebook notebooks clean
+.PHONY: help venv test test-service book book-zh catalogs notebook notebooks clean
 
 help:
-	@sed -n '3,9p' Makefile | sed 's/^# *//'
+	@sed -n '3,11p' Makefile | sed 's/^# *//'
 
 venv: $(STAMP)
 
@@ -53,6 +55,16 @@ test-service: venv
 
 book: venv
 	$(BIN)/jupyter-book build . -W -n --keep-going --all
+
+# The Chinese edition: the same pages and notebooks with language zh_CN, translated through the catalogs in
+# locales/zh_CN/LC_MESSAGES/; -W -n --keep-going like `make book`, so any warning fails it (locales/i18n.py).
+book-zh: venv
+	$(BIN)/python locales/i18n.py html
+
+# .pot files from the English text into _build/gettext, then `sphinx-intl update` of the catalogs: new or
+# changed English text becomes untranslated or fuzzy entries to translate (see locales/README.md).
+catalogs: venv
+	$(BIN)/python locales/i18n.py catalogs
 
 # NB may name either file of a pair (or the pair's stem); the .md is the source you edit.
 notebook: venv

@@ -85,6 +85,11 @@ def _k(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _n(count: int, noun: str) -> str:
+    """``1 training run``, ``5 training runs``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def session_usage():
     """The summed usage of every offline service :func:`trio_helpers.connect` created in this process.
 
@@ -106,7 +111,7 @@ def bill_parts(usage) -> tuple[str, str]:
     inf, low, high = b.inference
     spread = "" if math.isclose(low, high) else f" ({_k(low)}-{_k(high)})"
     return (f"inference {_k(inf)}{spread}, training {_k(b.training[0])} tokens",
-            f"{b.counts['optimizer steps']} optimizer steps, {b.counts['training runs']} training runs")
+            f"{_n(b.counts['optimizer steps'], 'optimizer step')}, {_n(b.counts['training runs'], 'training run')}")
 
 
 def bill_line(usage) -> str:

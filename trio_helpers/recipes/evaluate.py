@@ -30,7 +30,7 @@ from trio_helpers.evaluation import (
     save_records,
     summary_rows,
 )
-from trio_helpers.recipes import add_backend_flags, check_settings, connect_from_args
+from trio_helpers.recipes import add_backend_flags, check_settings, connect_from_args, report_usage
 from trio_helpers.recipes import int_at_least as _int_at_least
 
 
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         per_problem = accuracy_with_ci(per_problem_accuracy(results), n_boot=args.n_boot, seed=args.seed)
         print(f"pass@1 (mean over problems of the share of correct samples): {per_problem}")
         print("pass@k: " + "  ".join(f"k={k}: {v:.1%}" for k, v in curve.items()))
+    report_usage(service, None)
     return 0
 
 

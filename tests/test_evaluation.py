@@ -253,3 +253,15 @@ def test_format_summary_fits_the_page() -> None:
     text = format_summary([row, dict(row, model="base", correct=7, accuracy=7 / 256)])
     assert max(len(line) for line in text.splitlines()) <= 92
     assert "256/256" in text and "[100.0%, 100.0%]" in text
+
+
+def test_summary_rows_auto_interval_is_never_zero_width_at_0_or_100_percent() -> None:
+    from trio_helpers.evaluation import summary_rows
+
+    rows = [{"problem_id": i, "sample": 0, "question": "q", "gold": "2", "response": "\\boxed{1}",
+             "extracted": "1", "correct": False, "stop_reason": "stop", "tokens": 5, "max_tokens": 64}
+            for i in range(100)]
+    boot = summary_rows({"m": rows}, n_boot=200)[0]
+    auto = summary_rows({"m": rows}, n_boot=200, interval="auto")[0]
+    assert boot["high"] == 0.0  # the bootstrap interval collapses at 0 of 100
+    assert auto["low"] == 0.0 and 0.03 < auto["high"] < 0.04  # Wilson: [0, z^2 / (n + z^2)]

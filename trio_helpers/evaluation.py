@@ -544,15 +544,24 @@ def grading_note(record: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ reporting
 def summary_rows(runs: dict[str, Sequence[dict]], confidence: float = 0.95, n_boot: int = 10_000,
-                 seed: int = 0) -> list[dict]:
-    """One summary row per named greedy run: problems, correct, accuracy with its bootstrap CI, failure counts.
+                 seed: int = 0, interval: str = "bootstrap") -> list[dict]:
+    """One summary row per named greedy run: problems, correct, accuracy with its CI, failure counts.
+
+    Args:
+        interval: ``"bootstrap"`` (:func:`accuracy_with_ci`), ``"wilson"`` (:func:`wilson_interval`) or
+            ``"auto"``: Wilson when a run has at most 50 problems or is all right or all wrong (where the
+            bootstrap interval has zero width), else the bootstrap.
 
     Introduced in: chapter 07 (notebooks/07_evaluation).
     """
+    if interval not in ("bootstrap", "wilson", "auto"):
+        raise ValueError(f"interval must be 'bootstrap', 'wilson' or 'auto', got {interval!r}")
     rows = []
     for name, recs in runs.items():
         c = correctness(recs)
-        est = accuracy_with_ci(c, confidence, n_boot, seed)
+        k, n = int(c.sum()), len(c)
+        use_wilson = interval == "wilson" or (interval == "auto" and (n <= 50 or k in (0, n)))
+        est = wilson_interval(k, n, confidence) if use_wilson else accuracy_with_ci(c, confidence, n_boot, seed)
         rows.append({"model": name, "n": est.n, "correct": int(c.sum()), "accuracy": est.value, "low": est.low,
                      "high": est.high, **failure_counts(recs)})
     return rows

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = {label: results}
         if baseline is not None:
             runs = {"baseline": baseline, **runs}
-        print(format_summary(summary_rows(runs, n_boot=args.n_boot, seed=args.seed)))
+        print(format_summary(summary_rows(runs, n_boot=args.n_boot, seed=args.seed, interval="auto")))
         if baseline is not None:
             try:
                 print(format_paired("baseline", baseline, label, results, n_boot=args.n_boot, seed=args.seed))

@@ -32,7 +32,8 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 ``reward/frac_degenerate``     GRPO: share of groups whose rewards are all equal (no signal)
 ``kl/teacher_mean``, ``_std``  OPD: per-token sampled reverse KL to the teacher, ``student_lp - teacher_lp``
 ``kl/teacher_seq_mean``        OPD: the same summed over each completion, averaged over completions
-``kl/ref_mean``, ``_seq_mean`` with ``ref_kl_coef > 0``: ``logp - logp_ref`` per token (and per completion)
+``kl/ref_mean``, ``_seq_mean`` with ``ref_kl_coef > 0``: ``logp - logp_ref`` per token (and per completion),
+                               over the trained groups (skipped degenerate groups get no reference logprobs)
 ``completion/entropy``         mean ``-logprob`` of the sampled tokens (per-token entropy estimate, nats)
 ``completion/tokens_mean``     sampled tokens per completion (also ``_max`` and ``_total``)
 ``completion/frac_max_tokens`` share of completions cut off at ``max_tokens``
@@ -391,7 +392,9 @@ async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tupl
 
     Every request (sampling, and the scorer's own, e.g. teacher logprobs) goes through ``limiter``: at most its
     ``max_concurrency`` in flight, sampling retried per its policy. With a reference sampler ``ref`` and
-    ``config.ref_kl_coef > 0``, :func:`ref_kl_penalty` is folded into each group.
+    ``config.ref_kl_coef > 0``, :func:`ref_kl_penalty` is folded into each group that will be trained: a group the
+    scorer skips (degenerate, with ``skip_degenerate``) sends no datums, so its reference logprobs would be
+    requests that change nothing (chapter 09).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -403,7 +406,8 @@ async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tupl
             lambda: sampler.sample_async(prompts[i], num_samples=config.group_size, sampling_params=params),
             what=f"sample (step {step}, prompt {i})", index=i)
         group = await scorer.score(i, prompts[i], records_batch[i][1], list(response.sequences), limiter)
-        if ref is not None and config.ref_kl_coef > 0:
+        skipped = getattr(scorer, "skip_degenerate", False) and group.degenerate  # no datums will be sent
+        if ref is not None and config.ref_kl_coef > 0 and not skipped:
             group = await ref_kl_penalty(group, ref, config.ref_kl_coef, limiter)
         return group
 
@@ -589,9 +593,11 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
     """Check everything, then create (or, with ``resume``, restore) the training client, logger and run directory.
 
     Every check that can fail (config, records, resume settings, SwanLab mode) runs before any client is created
-    or any file of ``run_dir`` is touched. A fresh run creates a LoRA training client seeded with ``config.seed``
-    (or continues ``training_client``) and writes ``config.json``, replacing ``metrics.jsonl`` and
-    ``checkpoints.json``. A resumed run restores weights *and* Adam's state from the last entry of
+    or any file of ``run_dir`` is touched. With ``ref_kl_coef > 0`` the frozen reference sampler is created next,
+    before any training client, so a reference that cannot serve ``base_model`` (weights trained from another
+    base) is refused before a training run exists (chapter 09). A fresh run creates a LoRA training client seeded
+    with ``config.seed`` (or continues ``training_client``) and writes ``config.json``, replacing
+    ``metrics.jsonl`` and ``checkpoints.json``. A resumed run restores weights *and* Adam's state from the last entry of
     ``checkpoints.json`` with ``create_training_client_from_state_with_optimizer``, continues at that entry's step,
     and drops logged rows of later steps (they are redone), so ``metrics.jsonl`` holds each step exactly once.
 
@@ -617,6 +623,12 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
             raise ValueError("resume=True restores the training client from the run's last checkpoint; do not "
                              "pass training_client as well")
         checkpoints = _check_resume(run_dir, config)
+    # The frozen reference sampler of the KL penalty comes first: a reference that cannot serve this base
+    # model (weights trained from another one) is refused before any training run is created.
+    ref = None
+    if config.ref_kl_coef > 0:
+        ref = service.create_sampling_client(config.base_model, model_path=config.ref_model_path)
+    if resume:
         last = checkpoints[-1]
         scorer.setup(service)
         training_client = service.create_training_client_from_state_with_optimizer(last["path"])
@@ -631,9 +643,6 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             _write_json(run_dir / CHECKPOINTS_FILE, [])
-    ref = None
-    if config.ref_kl_coef > 0:  # a frozen sampler of the reference model, for the KL penalty
-        ref = service.create_sampling_client(config.base_model, model_path=config.ref_model_path)
     if run_dir is not None:
         _write_json(run_dir / CONFIG_FILE, asdict(config))
     owns = logger is None

@@ -57,6 +57,8 @@ def pytest_runtest_logreport(report) -> None:
     row["seconds"] += float(report.duration or 0.0)
     if report.when == "call" or report.failed:  # a failed setup/teardown counts as a failed cell too
         row["failed" if report.failed else ("skipped" if report.skipped else "passed")] += 1
+    if report.failed:
+        _FAILED.append(report.nodeid)
     node = getattr(report, "node", None)
     gateway = getattr(node, "gateway", None)
     if gateway is not None:
@@ -66,7 +68,7 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_sessionfinish(session) -> None:
     out = os.environ.get("BENCH_BOOK_OUT")
     if out and not os.environ.get("PYTEST_XDIST_WORKER"):
-        Path(out).write_text(json.dumps({"files": dict(_ROWS), "cells": _CELLS}), encoding="utf-8")
+        Path(out).write_text(json.dumps({"files": dict(_ROWS), "cells": _CELLS, "failed": _FAILED}), encoding="utf-8")
 
 
 def _process_cpu_seconds(pid: int) -> float | None:
@@ -98,6 +100,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 _ROWS: dict = defaultdict(lambda: {"seconds": 0.0, "passed": 0, "failed": 0, "skipped": 0, "worker": "-"})
 _CELLS: dict[str, float] = {}
+_FAILED: list[str] = []
 
 
 # -------------------------------------------------------------------------------------------------- the runner
@@ -136,7 +139,7 @@ def run_once(paths: list[str], command: str) -> tuple[float, float, int, dict, s
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        rows = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {"files": {}, "cells": {}}
+        rows = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {"files": {}, "cells": {}, "failed": []}
         for kernels in Path(tmp).glob("rows.json.kernels.*.json"):
             for path, seconds in json.loads(kernels.read_text(encoding="utf-8")).items():
                 rows["files"].setdefault(path, {"seconds": 0.0, "passed": 0, "failed": 0, "skipped": 0,
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                                              for s, k in slow[:args.cells]))
     print(f"pytest exit status {status}: {tail.splitlines()[-1] if tail else ''}")
     if failed_files:
-        print("failed under nbval (their time still counts): " + ", ".join(failed_files))
+        print("failed (their time still counts): " + ", ".join(failed_files))
+        print("failing items: " + ", ".join(result["failed"][:10]) + (" ..." if len(result["failed"]) > 10 else ""))
     if not within:
         return 1
     return 2 if failed_files or status not in (0,) else 0

@@ -42,6 +42,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     The first use of a fitted model prints a one-time "fitting ..." message; doing it here keeps that message out
     of notebook outputs, which strict nbval compares.
     """
-    from trio_helpers.offline.fit import ensure_fitted
+    from trio_helpers.offline.fit import ensure_fitted  # fits or loads both models into the disk cache
 
     ensure_fitted()

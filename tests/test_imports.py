@@ -122,26 +122,10 @@ def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-KNOWN_TANGLE = {"trio_helpers.backend", "trio_helpers.data", "trio_helpers.offline.service",
-                "trio_helpers.offline.catalog", "trio_helpers.offline.fit"}
-"""The cycles in the package today (every edge but service -> catalog is an import inside a function):
-backend -> offline.service -> offline.catalog -> offline.fit -> data -> backend (fitting the offline models reads
-the offline corpus through the user-facing data loaders, which ask the backend module which backend is in use),
-and offline.catalog <-> offline.fit. Owned by the data/backend and offline-model code: reported, not fixed here."""
-
-
-@pytest.mark.xfail(strict=True, reason="known cycles among backend, data, offline.service, offline.catalog and "
-                   "offline.fit (see KNOWN_TANGLE); remove this mark once they are broken")
 def test_no_import_cycles_among_trio_helpers_modules() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
-
-
-def test_no_import_cycle_besides_the_known_ones() -> None:
-    found = tangles(import_graph())
-    new = [sorted(t) for t in found if t != KNOWN_TANGLE]
-    assert not new, f"new import cycles among {new}"
-    assert found == [KNOWN_TANGLE], "the known cycles are gone: drop KNOWN_TANGLE and the xfail mark above"
+    assert tangles(import_graph()) == []
 
 
 @pytest.mark.parametrize("low, high", [("trio_helpers.rl", "trio_helpers.loop"),

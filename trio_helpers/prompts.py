@@ -6,14 +6,14 @@ Introduced in: chapter 01 (notebooks/01_gsm8k_data).
 from __future__ import annotations
 
 GSM8K_INSTRUCTION = "Provide a numerical answer without units, written inside \\boxed{}."
-"""Appended to every GSM8K question (tutorial A's suffix): the grader reads the last ``\\boxed{}``."""
+"""Appended to every GSM8K question (the *GRPO* example's suffix): the grader reads the last ``\\boxed{}``."""
 
 DEEPMATH_INSTRUCTION = "Please solve the problem step by step and put the final answer in \\boxed{}."
-"""Appended to every distillation prompt (tutorial B's suffix)."""
+"""Appended to every distillation prompt (the *On-Policy Distillation* example's suffix)."""
 
 # One worked example shown before the real question (a "one-shot" prefix). It demonstrates the answer format
 # (reasoning, then \boxed{...}) on a question that has nothing to do with arithmetic word problems, so it teaches
-# the format without leaking any GSM8K content. Like tutorial A's example, the answer starts with the empty think
+# the format without leaking any GSM8K content. Like the GRPO example's one-shot example, the answer starts with the empty think
 # block that enable_thinking=False produces; Qwen3's chat template (and the offline one) drops think blocks from
 # earlier assistant turns, so the rendered prompt shows only the text after `</think>`.
 ONE_SHOT_QUESTION = "How many times does the letter s appear in the word mississippi?"
@@ -30,7 +30,7 @@ def gsm8k_messages(question: str, one_shot: bool = True) -> list[dict[str, str]]
 
     Args:
         question: the problem text (a record's ``question`` field).
-        one_shot: prepend the worked example (tutorial A does).
+        one_shot: prepend the worked example (the *GRPO* example does).
 
     Returns:
         A list of ``{"role", "content"}`` dicts for ``tokenizer.apply_chat_template``.
@@ -53,7 +53,7 @@ def gsm8k_messages(question: str, one_shot: bool = True) -> list[dict[str, str]]
 
 
 def deepmath_messages(question: str) -> list[dict[str, str]]:
-    """Chat messages for one distillation prompt (tutorial B: question + step-by-step/boxed instruction).
+    """Chat messages for one distillation prompt (the *On-Policy Distillation* example: question + step-by-step/boxed instruction).
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """

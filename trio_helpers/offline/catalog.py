@@ -12,24 +12,11 @@ use by :mod:`trio_helpers.offline.fit` and cached on disk.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
+from trio_helpers.offline.fit import STUDENT, TEACHER, ModelSpec, load_or_fit  # noqa: F401 - re-exported
 from trio_helpers.offline.model import BaseWeights
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    role: str  # "student", "teacher" or "tiny"
-    dim: int
-    table_size: int
-    lora_alpha: float  # LoRA's alpha: the low-rank update is scaled by alpha / rank
-    final_row_scale: float  # scale of the two final-line adapter rows
-
-
-STUDENT = ModelSpec("Qwen/Qwen3.5-4B", "student", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20, final_row_scale=2400.0)
-TEACHER = ModelSpec("Qwen/Qwen3.6-27B", "teacher", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20, final_row_scale=2400.0)
 TINY = ModelSpec("offline/tiny", "tiny", dim=16, table_size=1 << 12, lora_alpha=32.0, final_row_scale=32.0)
 
 _SPECS = {
@@ -71,7 +58,5 @@ def base_weights(name: str, home: Path | None = None) -> BaseWeights:
             if s.role == "tiny":
                 _LOADED[key] = BaseWeights.random(s.dim, s.table_size, seed=0, name=s.name)
             else:
-                from trio_helpers.offline import fit
-
-                _LOADED[key] = fit.load_or_fit(s)
+                _LOADED[key] = load_or_fit(s)
         return _LOADED[key]

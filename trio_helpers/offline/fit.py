@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,16 +56,46 @@ LEARNING_RATE = {"student": 0.05, "teacher": 0.01}  # the teacher only continues
 EMBED_LR_MULT = (2.0, 20.0)  # step multipliers for shared / per-question embedding rows (the latter are rare)
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """An offline model: its name, role (``"student"``, ``"teacher"`` or ``"tiny"``), feature sizes and the
+    scales of its LoRA adapter (the low-rank update is scaled by ``lora_alpha / rank``; ``final_row_scale``
+    scales the two final-line adapter rows)."""
+
+    name: str
+    role: str
+    dim: int
+    table_size: int
+    lora_alpha: float
+    final_row_scale: float
+
+
+STUDENT = ModelSpec("Qwen/Qwen3.5-4B", "student", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20,
+                    final_row_scale=2400.0)
+TEACHER = ModelSpec("Qwen/Qwen3.6-27B", "teacher", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20,
+                    final_row_scale=2400.0)
+
+
 def cache_dir() -> Path:
     """Where fitted base weights are cached: ``$TRIO_OFFLINE_CACHE`` or ``~/.cache/trio_helpers/models``."""
     return Path(os.environ.get("TRIO_OFFLINE_CACHE") or Path.home() / ".cache" / "trio_helpers" / "models")
 
 
 def _corpus_records() -> tuple[list[dict], list[dict]]:
-    from trio_helpers.data import load_deepmath, load_gsm8k
+    """The shipped corpus, read directly (not through ``trio_helpers.data``, which follows the backend): both
+    GSM8K-format splits in file order, and the DeepMath-style records shuffled with seed 42."""
+    import random
 
-    gsm = load_gsm8k("train", source="offline") + load_gsm8k("test", source="offline")
-    deep = load_deepmath(source="offline", sample_size=0)
+    from trio_helpers.offline.corpus import DATA_DIR
+
+    def read(name: str) -> list[dict]:
+        with open(DATA_DIR / f"{name}.jsonl", encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    gsm = [{"question": str(r["question"]), "answer": str(r["answer"])}
+           for split in ("train", "test") for r in read(f"gsm8k_{split}")]
+    deep = read("deepmath")
+    random.Random(42).shuffle(deep)
     return gsm, deep
 
 
@@ -211,13 +242,11 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
     The teacher continues from the student's fitted weights (so it knows everything the student knows, then is
     fitted further on mostly-boxed answers); its cache key therefore includes the student's.
     """
-    from trio_helpers.offline import catalog
-
     init = None
     fingerprint = _fingerprint(spec)
     if spec.role == "teacher":
-        init = load_or_fit(catalog.STUDENT)
-        fingerprint = hashlib.sha256((fingerprint + _fingerprint(catalog.STUDENT)).encode()).hexdigest()[:16]
+        init = load_or_fit(STUDENT)
+        fingerprint = hashlib.sha256((fingerprint + _fingerprint(STUDENT)).encode()).hexdigest()[:16]
     path = cache_dir() / f"{spec.role}-{fingerprint}.npz"
     if path.exists():
         with np.load(path) as z:
@@ -233,17 +262,13 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
 
 
 def ensure_fitted() -> None:
-    """Fit (or load) every fitted model of the catalog, so later first uses are instant."""
-    from trio_helpers.offline import catalog
-
-    for spec in (catalog.STUDENT, catalog.TEACHER):
-        catalog.base_weights(spec.name, Path("."))
+    """Fit (or load) every fitted model, so that later first uses only read the cache."""
+    for spec in (STUDENT, TEACHER):
+        load_or_fit(spec)
 
 
 if __name__ == "__main__":
-    from trio_helpers.offline import catalog
-
-    for spec in (catalog.STUDENT, catalog.TEACHER):
+    for spec in (STUDENT, TEACHER):
         t = time.perf_counter()
         load_or_fit(spec)
         print(f"{spec.name}: ready in {time.perf_counter() - t:.1f}s")

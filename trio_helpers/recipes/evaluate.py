@@ -1,4 +1,4 @@
-"""Evaluate a model on GSM8K from the command line: chapter 07's protocol behind tutorial C's ``--eval`` flags.
+"""Evaluate a model on GSM8K from the command line: chapter 07's protocol behind the *GSM8K* example's ``--eval`` flags.
 
 Examples::
 
@@ -6,7 +6,7 @@ Examples::
     python -m trio_helpers.recipes.evaluate --model-path trio://.../final --eval-samples 256 --compare-to base.jsonl
     python -m trio_helpers.recipes.evaluate --eval-samples 30 --samples-per-problem 8 --temperature 1   # pass@k
 
-It evaluates the first ``--eval-samples`` problems of ``--split`` (tutorial C's meaning), greedy by default, with
+It evaluates the first ``--eval-samples`` problems of ``--split`` (the *GSM8K* example's meaning), greedy by default, with
 chapter 07's :func:`trio_helpers.evaluation.evaluate`, and prints the accuracy with a bootstrap confidence interval
 and the failure counts; with several samples per problem also pass@k; with ``--compare-to`` (records saved earlier
 with ``--out``) a paired comparison on the same problems (McNemar's exact test and a paired bootstrap).

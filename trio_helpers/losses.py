@@ -77,6 +77,16 @@ def check_loss_config(loss_fn: str, config: dict | None = None) -> dict[str, flo
     return merged
 
 
+def _inputs(loss_fn: str, rho, adv, config: dict | None):
+    """The checked config, ``rho`` and ``adv`` as float64 arrays, and ``rho`` clipped to the loss's bounds (for
+    losses without bounds, ``rho`` itself)."""
+    cfg = check_loss_config(loss_fn, config)
+    rho, adv = np.asarray(rho, dtype=np.float64), np.asarray(adv, dtype=np.float64)
+    if "clip_low_threshold" in cfg:
+        return cfg, rho, adv, np.clip(rho, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return cfg, rho, adv, rho
+
+
 def token_loss(loss_fn: str, rho, adv, config: dict | None = None):
     """The per-token loss as a function of the ratio ``rho`` and advantage ``adv`` (arrays broadcast).
 
@@ -85,16 +95,14 @@ def token_loss(loss_fn: str, rho, adv, config: dict | None = None):
 
     Introduced in: chapter 08 (notebooks/08_losses).
     """
-    cfg = check_loss_config(loss_fn, config)
-    rho, adv = np.asarray(rho, dtype=np.float64), np.asarray(adv, dtype=np.float64)
+    cfg, rho, adv, clipped = _inputs(loss_fn, rho, adv, config)
     if loss_fn == "importance_sampling":
         return -rho * adv
     if loss_fn == "ppo":
-        clipped = np.clip(rho, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
         return -np.minimum(rho * adv, clipped * adv)
     lp = np.log(rho)
     if loss_fn == "cispo":
-        return -np.clip(rho, cfg["clip_low_threshold"], cfg["clip_high_threshold"]) * adv * lp
+        return -clipped * adv * lp
     return -(adv * lp - cfg["beta"] / 2 * lp**2)
 
 
@@ -105,15 +113,13 @@ def token_gradient(loss_fn: str, rho, adv, config: dict | None = None):
 
     Introduced in: chapter 08 (notebooks/08_losses).
     """
-    cfg = check_loss_config(loss_fn, config)
-    rho, adv = np.asarray(rho, dtype=np.float64), np.asarray(adv, dtype=np.float64)
+    cfg, rho, adv, clipped = _inputs(loss_fn, rho, adv, config)
     if loss_fn == "importance_sampling":
         return -rho * adv
     if loss_fn == "ppo":
-        clipped = np.clip(rho, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
         return np.where(rho * adv <= clipped * adv, -rho * adv, 0.0)
     if loss_fn == "cispo":
-        return -np.clip(rho, cfg["clip_low_threshold"], cfg["clip_high_threshold"]) * adv
+        return -clipped * adv
     return -(adv - cfg["beta"] * np.log(rho))
 
 
@@ -123,10 +129,8 @@ def clipped_mask(loss_fn: str, rho, adv, config: dict | None = None) -> np.ndarr
 
     Introduced in: chapter 08 (notebooks/08_losses).
     """
-    cfg = check_loss_config(loss_fn, config)
-    rho, adv = np.asarray(rho, dtype=np.float64), np.asarray(adv, dtype=np.float64)
+    cfg, rho, adv, clipped = _inputs(loss_fn, rho, adv, config)
     if loss_fn == "ppo":
-        clipped = np.clip(rho, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
         return (clipped * adv < rho * adv) & (clipped != rho)
     if loss_fn == "cispo":
         return (rho < cfg["clip_low_threshold"]) | (rho > cfg["clip_high_threshold"])

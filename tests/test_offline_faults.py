@@ -47,15 +47,7 @@ RETRY_FIELDS = (
 )
 
 
-def xent_datum(text: bytes) -> trio.Datum:
-    tokens = list(text)
-    return trio.Datum(
-        model_input=trio.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64)},
-    )
-
-
-DATA = [xent_datum(b"the quick brown fox"), xent_datum(b"jumps over 13 lazy dogs")]
+from test_offline_async import DATA  # the same two cross-entropy datums  # noqa: E402
 
 
 @pytest.fixture

@@ -76,7 +76,7 @@ def real_tokens(usage) -> Bill:
                 counts=counts)
 
 
-def _k(x: float) -> str:
+def short_count(x: float) -> str:
     """A token count for a table: ``12.3k``, ``1.40M`` or ``850``."""
     if x >= 1e6:
         return f"{x / 1e6:.2f}M"
@@ -109,8 +109,8 @@ def bill_parts(usage) -> tuple[str, str]:
     """
     b = real_tokens(usage)
     inf, low, high = b.inference
-    spread = "" if math.isclose(low, high) else f" ({_k(low)}-{_k(high)})"
-    return (f"inference {_k(inf)}{spread}, training {_k(b.training[0])} tokens",
+    spread = "" if math.isclose(low, high) else f" ({short_count(low)}-{short_count(high)})"
+    return (f"inference {short_count(inf)}{spread}, training {short_count(b.training[0])} tokens",
             f"{_n(b.counts['optimizer steps'], 'optimizer step')}, {_n(b.counts['training runs'], 'training run')}")
 
 

@@ -318,7 +318,7 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
     import numpy as np
 
     from trio_helpers.backend import connect
-    from trio_helpers.costs import TOKEN_RATIO, _k, bill_line, config_bill
+    from trio_helpers.costs import TOKEN_RATIO, bill_line, config_bill, short_count
     from trio_helpers.offline import catalog
     from trio_helpers.offline.ledger import Usage
     from trio_helpers.offline.tokenizer import get_offline_tokenizer
@@ -330,7 +330,7 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
     print(f"dry run, nothing is sent: {config.steps} steps x {config.batch_size} prompts x "
           f"{config.group_size} completions, max_tokens {config.max_tokens}")
     print(f"  prompts: about {prompt:.0f} Qwen tokens each")
-    tokens = ", ".join(f"{name} {_k(bound[name])}" for name in ("prompt", "sampled", "training", "teacher",
+    tokens = ", ".join(f"{name} {short_count(bound[name])}" for name in ("prompt", "sampled", "training", "teacher",
                                                                 "reference") if name in bound)
     print("upper bounds (every completion at max_tokens, every datum sent), in Qwen tokens:")
     print(f"  {tokens}")
@@ -387,3 +387,21 @@ def report_usage(service, run_dir) -> None:
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         tmp.replace(path)
         print(f"usage: {path}")
+
+
+def print_run_end(result, config, service, start: float) -> None:
+    """What both training recipes print after a run: where metrics and the last saved state are, the ledger
+    (:func:`report_usage`), the total time and the final weights.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    import time
+
+    print(f"metrics: {config.run_dir}/metrics.jsonl")
+    if result.checkpoints:
+        print(f"last saved state (resume with --resume --run-dir {config.run_dir}): "
+              f"{result.checkpoints[-1]['path']}")
+    report_usage(service, config.run_dir)
+    print(f"total time {time.perf_counter() - start:.1f}s")
+    if result.final_path:
+        print(f"final weights: {result.final_path}")

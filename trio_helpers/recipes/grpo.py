@@ -26,7 +26,7 @@ from trio_helpers.recipes import (
     connect_from_args,
     loop_parser,
     print_dry_run,
-    report_usage,
+    print_run_end,
     run_and_report,
 )
 
@@ -96,12 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean reward: first {k} steps {rewards[:k].mean():.3f}, last {k} steps {rewards[-k:].mean():.3f}")
     sent, skipped = result.series("train/tokens").sum(), result.series("train/tokens_skipped").sum()
     print(f"training tokens sent {int(sent)}, saved by skipping degenerate groups {int(skipped)}")
-    print(f"metrics: {config.run_dir}/metrics.jsonl")
-    if result.checkpoints:
-        print(f"last saved state (resume with --resume --run-dir {config.run_dir}): {result.checkpoints[-1]['path']}")
-    report_usage(service, config.run_dir)
-    print(f"total time {time.perf_counter() - start:.1f}s")
-    print(f"final weights: {result.final_path}")
+    print_run_end(result, config, service, start)
     return 0
 
 

@@ -29,7 +29,7 @@ from trio_helpers.recipes import (
     loop_parser,
     number_where,
     print_dry_run,
-    report_usage,
+    print_run_end,
     run_and_report,
 )
 
@@ -105,13 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     kl = result.series("kl/teacher_mean")
     print(f"reverse KL to the teacher (sampled, per token): first step {kl[0]:.4f}, last step {kl[-1]:.4f}")
-    print(f"metrics: {config.run_dir}/metrics.jsonl")
-    if result.checkpoints:
-        print(f"last saved state (resume with --resume --run-dir {config.run_dir}): {result.checkpoints[-1]['path']}")
-    report_usage(service, config.run_dir)
-    print(f"total time {time.perf_counter() - start:.1f}s")
-    if result.final_path:
-        print(f"final weights: {result.final_path}")
+    print_run_end(result, config, service, start)
     return 0
 
 

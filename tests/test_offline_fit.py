@@ -99,3 +99,12 @@ def test_grpo_learns_only_through_training():
     frozen = report.grpo(trio, service, tok, train, steps=12, seed=0, lr=0.0)
     assert np.mean(learned[-4:]) >= np.mean(learned[:4]) + 0.05
     assert np.mean(learned[-4:]) > np.mean(frozen[-4:])
+
+
+def test_book_models_are_the_ones_its_outputs_were_made_with():
+    """The fitted weights' last bits depend on BLAS threads; fitting runs on FIT_THREADS whatever the caller has
+    (conftest sets one thread for the kernels), so a fresh machine fits the very weights behind the committed
+    outputs. Fails, naming the role, where this machine cannot (another BLAS kernel, or a single core)."""
+    for spec in (fit.STUDENT, fit.TEACHER):
+        assert fit.weights_digest(fit.load_or_fit(spec)) == fit.BOOK_WEIGHTS[spec.role], spec.role
+

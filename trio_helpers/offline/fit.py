@@ -21,7 +21,9 @@ to shrink, concentrated on a habit the student can learn: how to write the final
 The models see the solutions of both splits while fitting, as pretrained LLMs have seen benchmark-like text; the
 book says so where it reports accuracies.
 
-Fitting is deterministic (fixed seeds, fixed data order) and uses sparse-row Adam on the embedding table. Weights
+Fitting is deterministic (fixed seeds, fixed data order, and always ``FIT_THREADS`` BLAS threads: it runs in a
+subprocess that sets them, because the last bits of a threaded matrix product depend on the thread count) and
+uses sparse-row Adam on the embedding table. Weights
 are cached under ``$TRIO_OFFLINE_CACHE`` (default ``~/.cache/trio_helpers/models``) in a file named by a hash of
 everything that determines them (this file, the model code, the model spec and the corpus), so a change to any of
 them refits instead of loading stale weights.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -248,17 +251,61 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
         init = load_or_fit(STUDENT)
         fingerprint = hashlib.sha256((fingerprint + _fingerprint(STUDENT)).encode()).hexdigest()[:16]
     path = cache_dir() / f"{spec.role}-{fingerprint}.npz"
-    if path.exists():
-        with np.load(path) as z:
-            return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
+    if not path.exists():
+        if spec in (STUDENT, TEACHER) and os.environ.get(_WORKER_ENV) != str(FIT_THREADS):
+            # fit the book's models where BLAS has FIT_THREADS threads, whatever this process has
+            subprocess.run([sys.executable, "-m", "trio_helpers.offline.fit"], check=True,
+                           env={**os.environ, **_fit_env()})
+        else:
+            _fit_and_cache(spec, init, path)
+    with np.load(path) as z:
+        weights = BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
+    _check_digest(spec, weights)
+    return weights
+
+
+# The last bits of fitted weights depend on how many threads BLAS splits the fitting's matrix products over;
+# the book's outputs were produced with weights fitted on this many (a notebook kernel computes on one thread,
+# see conftest.py). OpenBLAS uses at most one thread per core, so a 1-core machine fits other weights.
+FIT_THREADS = 2
+_WORKER_ENV = "TRIO_OFFLINE_FIT_THREADS"
+# sha256 of the fitted E, W and b (float64 bytes) behind the book's committed outputs; tests/test_offline_fit.py
+# compares. Change them only together with re-executing every chapter (make notebooks).
+BOOK_WEIGHTS = {
+    "student": "e0fa3dcca4bdaeccb541dd93f419f997e100590b59fd038515f7bcabc447c813",
+    "teacher": "2916b542a9ea94877f12bbf25702fe86105765f0e0a6c861da75ceef3f45e901",
+}
+
+
+def _fit_env() -> dict[str, str]:
+    n = str(FIT_THREADS)
+    return {_WORKER_ENV: n, "OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
+def weights_digest(weights: BaseWeights) -> str:
+    h = hashlib.sha256()
+    for a in (weights.E, weights.W, weights.b):
+        h.update(np.ascontiguousarray(a, dtype=np.float64).tobytes())
+    return h.hexdigest()
+
+
+def _check_digest(spec, weights: BaseWeights) -> None:
+    expected = BOOK_WEIGHTS.get(spec.role)
+    if expected and spec in (STUDENT, TEACHER) and weights_digest(weights) != expected:
+        print(f"trio_helpers offline backend: the fitted {spec.role} model differs in its last bits from the "
+              "one the book's outputs were made with (another BLAS kernel, or fewer than "
+              f"{FIT_THREADS} cores); runs work, but printed numbers may differ from the book's.",
+              file=sys.stderr)
+
+
+def _fit_and_cache(spec, init, path: Path) -> None:
     print(f"trio_helpers offline backend: fitting base model {spec.name!r} on the offline corpus "
           "(first use only; cached afterwards)...", file=sys.stderr)
     weights = fit_base(spec, init=init)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
     np.savez(tmp, E=weights.E, W=weights.W, b=weights.b)
     os.replace(tmp, path)
-    return weights
 
 
 def ensure_fitted() -> None:
@@ -268,6 +315,9 @@ def ensure_fitted() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get(_WORKER_ENV) != str(FIT_THREADS):  # numpy is imported: re-run with the threads set
+        sys.exit(subprocess.run([sys.executable, "-m", "trio_helpers.offline.fit"],
+                                env={**os.environ, **_fit_env()}).returncode)
     for spec in (STUDENT, TEACHER):
         t = time.perf_counter()
         load_or_fit(spec)

@@ -481,6 +481,77 @@ def test_same_seed_same_response_different_seed_differs(svc, tok):
     assert len({tuple(s.tokens) for s in a.sequences}) > 1
 
 
+# ------------------------------------------------------------------------------------------ batching
+_INVARIANCE_CHECK = """
+import numpy as np
+from trio_helpers.offline import catalog
+from trio_helpers.offline.model import Adapter, TinyLM, sampler_logits
+for name in ("offline/tiny", "Qwen/Qwen3.5-4B"):
+    base = catalog.base_weights(name)
+    adapter = Adapter.fresh(base.dim, 8, seed=1, alpha=16.0, final_row_scale=1.0)
+    rng = np.random.default_rng(3)
+    adapter.B[...] = rng.normal(0.0, 0.05, size=adapter.B.shape)
+    adapter.C[1] = rng.normal(0.0, 0.1, size=adapter.C.shape[1])
+    model = TinyLM(base, adapter)
+    keys = rng.integers(0, 2**62, size=(400, 14))
+    keys[:, 13] = np.arange(400) % 7 == 0  # some rows on the final-answer slot
+    whole = sampler_logits(model, keys)
+    for n in list(range(1, 70)) + [127, 128, 129, 255, 256, 257, 399]:
+        for start in (0, 1, 5):
+            part = sampler_logits(model, keys[start:start + n])
+            assert np.array_equal(part, whole[start:start + n]), (name, n, start)
+    if {threads} == 1:  # on one thread the trainer's forward pass is batch-invariant at any size
+        assert np.array_equal(model.forward(keys)[1], whole), name
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sampler_logits_are_batch_invariant(threads):
+    """A row's logits are the same bits in any batch (sizes 1..69 and larger, odd and even, any offset), with
+    one BLAS thread and with two, so batched sampling never depends on which requests share a step."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", _INVARIANCE_CHECK.replace("{threads}", str(threads))],
+                         capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_batched_sampling_gives_each_request_its_own_completions(svc, tok):
+    """Requests sampled together (continuous batching) return exactly what each returns alone, whatever the
+    company: other prompts, group sizes, temperatures, greedy, top-k/top-p, stop strings, another model."""
+    sampler = trained_client(svc).save_weights_and_get_sampling_client()
+    other = svc.create_sampling_client(MODEL)
+    cases = [
+        (sampler, "Ann has 3 apples.", 4, params(max_tokens=24, seed=1)),
+        (sampler, "Pick a number.", 3, params(max_tokens=40, seed=2)),
+        (sampler, "Ann has 3 apples.", 1, params(max_tokens=24, seed=3, temperature=0.0)),
+        (sampler, "Say hi.", 2, params(max_tokens=30, seed=4, temperature=0.7, top_k=20)),
+        (sampler, "Say hi.", 5, params(max_tokens=12, seed=5, top_p=0.8, stop=["\n"])),
+        (other, "Pick a number.", 4, params(max_tokens=20, seed=6)),
+    ]
+    alone = [s.sample(mi(chat_prompt(tok, q)), num_samples=n, sampling_params=p).result()
+             for s, q, n, p in cases]
+    futures = [s.sample(mi(chat_prompt(tok, q)), num_samples=n, sampling_params=p) for s, q, n, p in cases]
+    together = [f.result() for f in futures]
+    assert together == alone
+
+
+def test_concurrent_sampling_requests_share_forward_passes(svc, tok, monkeypatch):
+    """The engine really batches: 8 requests in flight take far fewer steps than 8 requests one by one."""
+    from trio_helpers.offline import service as offline_service
+
+    calls = []
+    real = offline_service.step_sample_jobs
+    monkeypatch.setattr(offline_service, "step_sample_jobs", lambda jobs: (calls.append(len(jobs)), real(jobs)))
+    sampler = svc.create_sampling_client(MODEL)
+    prompt = mi(chat_prompt(tok, "Pick a number."))
+    sp = params(max_tokens=32, seed=None)
+    futures = [sampler.sample(prompt, num_samples=2, sampling_params=sp) for _ in range(8)]
+    for f in futures:
+        f.result()
+    assert max(calls) > 1 and len(calls) < 8 * 32, (len(calls), max(calls))
+
+
 def test_fresh_training_client_samples_like_the_base_model(svc, tok):
     tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=9)
     assert not tc._model.adapter.B.any()

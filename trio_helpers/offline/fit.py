@@ -259,9 +259,7 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
         else:
             _fit_and_cache(spec, init, path)
     with np.load(path) as z:
-        weights = BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
-    _check_digest(spec, weights)
-    return weights
+        return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
 
 
 # The last bits of fitted weights depend on how many threads BLAS splits the fitting's matrix products over;
@@ -302,6 +300,7 @@ def _fit_and_cache(spec, init, path: Path) -> None:
     print(f"trio_helpers offline backend: fitting base model {spec.name!r} on the offline corpus "
           "(first use only; cached afterwards)...", file=sys.stderr)
     weights = fit_base(spec, init=init)
+    _check_digest(spec, weights)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
     np.savez(tmp, E=weights.E, W=weights.W, b=weights.b)

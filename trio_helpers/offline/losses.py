@@ -123,11 +123,11 @@ def run_batch(model: TinyLM, plan, loss_fn: str, cfg: dict[str, float], auto_shi
         active.append(mask)
         offset += T
     keys = np.concatenate(keys_list)
-    h, logp_all = model.logprobs_all(keys)
+    h, shifted, norm = model.log_softmax_parts(keys)  # log_softmax = shifted - norm, row by row
     rows = np.clip(np.concatenate(rows_of), 0, None)
     targets = np.concatenate(tgt)
     mask = np.concatenate(active)
-    lp = logp_all[rows, targets]
+    lp = shifted[rows, targets] - norm[rows, 0]
     loss, dloss = per_token_loss(loss_fn, lp, np.concatenate(old), np.concatenate(adv), np.concatenate(w), cfg)
     loss = np.where(mask, loss, 0.0)
     # per-token logprobs are reported wherever a label exists (even with weight 0); 0.0 where none does
@@ -143,8 +143,9 @@ def run_batch(model: TinyLM, plan, loss_fn: str, cfg: dict[str, float], auto_shi
     if backward and denom > 0:
         coef = np.where(mask, dloss, 0.0) / denom
         sel = coef != 0.0
-        grads, _ = model.adapter_grads(h[rows[sel]], keys[rows[sel], NUM_FEATURES], logp_all[rows[sel]], targets[sel],
-                                       coef[sel])
+        trained = rows[sel]
+        grads, _ = model.adapter_grads(h[trained], keys[trained, NUM_FEATURES], shifted[trained] - norm[trained],
+                                       targets[sel], coef[sel])
     elif backward:
         grads = {k: np.zeros_like(v) for k, v in model.adapter.params().items()}
     return ForwardResult(per_sample, float(loss.sum()), token_count, grads)

@@ -22,6 +22,7 @@ weights and old logprobs, like the real trainer.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -337,9 +338,15 @@ def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
 def table_rows(keys: np.ndarray, table_size: int) -> np.ndarray:
     """Map hashed feature keys ``[..., NUM_FEATURES]`` to embedding-table rows (per-question slots: upper half)."""
     half = table_size // 2
+    return keys[..., :NUM_FEATURES] % half + _row_offsets(half)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_offsets(half: int) -> np.ndarray:
     offsets = np.zeros(NUM_FEATURES, dtype=np.int64)
     offsets[list(PER_QUESTION_SLOTS)] = half
-    return keys[..., :NUM_FEATURES] % half + offsets
+    offsets.flags.writeable = False
+    return offsets
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -362,18 +369,37 @@ class TinyLM:
         return self.base.E[self.rows(keys)].sum(axis=-2)
 
     def forward(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(h, logits)`` for every row of ``keys`` (``[N, KEY_WIDTH]``)."""
+        """``(h, logits)`` for every row of ``keys`` (``[N, KEY_WIDTH]``).
+
+        On one BLAS thread batch-invariant: a row's logits are the same bits whichever rows share the call, so
+        the trainer's logprobs equal the sampler's (a multi-threaded BLAS splits large products by rows: see
+        :func:`sampler_logits`). OpenBLAS computes the last row of an odd row count with another kernel
+        (different in the last bits), so odd batches get one padding row (tests/test_offline_model.py).
+        """
+        n = len(keys)
+        if n % 2:
+            keys = np.concatenate([keys, keys[-1:]])
         h = self.hidden(keys)
         z = h @ self.base.W + self.base.b
         if self.adapter is not None:
             a = self.adapter
-            z = z + a.scale * ((h @ a.A) @ a.B) + a.c_scale * a.C[keys[:, NUM_FEATURES]]
-        return h, z
+            z = z + a.scale * ((h @ a.A) @ a.B)
+            slots = keys[:, NUM_FEATURES]
+            if slots.any():  # C[0] is zero: adding it would change no logit
+                z = z + a.c_scale * a.C[slots]
+        return h[:n], z[:n]
 
     def logprobs_all(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(h, log_softmax(logits))`` for every row of ``keys``."""
         h, z = self.forward(keys)
         return h, log_softmax(z)
+
+    def log_softmax_parts(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(h, s, n)`` with ``log_softmax(logits) == s - n`` elementwise, the same bits as
+        :meth:`logprobs_all`, for callers that need only some of its entries."""
+        h, z = self.forward(keys)
+        s = z - z.max(axis=-1, keepdims=True)
+        return h, s, np.log(np.exp(s).sum(axis=-1, keepdims=True))
 
     def adapter_grads(self, h, slots, logp, targets, coef):
         """Gradients of ``L`` with respect to the adapter, given ``coef_i = dL/dlp_i`` for target logprobs ``lp_i``.
@@ -416,6 +442,164 @@ def _sampling_distribution(z: np.ndarray, temperature: float, top_k: int, top_p:
     return q / q.sum(axis=-1, keepdims=True)
 
 
+def _inverse_cdf(q: np.ndarray, u: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row, the token whose cumulative probability first exceeds ``u`` (in [0, 1)) of the row's mass."""
+    cdf = np.cumsum(q, axis=-1)
+    choice = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), q.shape[-1] - 1)
+    # never pick a zero-probability token because of rounding in the cumulative sum
+    for j in np.flatnonzero(q[np.arange(len(q)) if rows is None else rows, choice] == 0.0):
+        c = choice[j]
+        while q[j, c] == 0.0:
+            c -= 1
+        choice[j] = c
+    return choice
+
+
+def _draw(z: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sample from the model's own distribution ``softmax(z)``: the tokens and their logprobs.
+
+    The same numbers as ``log_softmax`` gives for the chosen tokens, computed only for them; the cumulative sum
+    runs over the unnormalised ``exp(z - max z)``, as sampling does not need the normalised probabilities.
+    """
+    s = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(s)
+    rows = np.arange(len(z))
+    choice = _inverse_cdf(e, u, rows)
+    return choice, s[rows, choice] - np.log(e.sum(axis=-1))
+
+
+class SampleJob:
+    """One sampling request, advanced one token per step, alone or together with other requests.
+
+    An inference server batches the requests in flight (continuous batching): every step it runs one forward
+    pass over the active rows of all of them. :func:`run_sample_jobs` does the same with jobs of one model, and
+    a job's tokens and logprobs do not depend on which other jobs share its steps: each job draws its own
+    random numbers, and every computation is row by row (the forward pass is batch-invariant, see
+    :meth:`TinyLM.forward`), so a request gives the same completions alone or in any batch.
+
+    Returned logprobs are those of the distribution each token was drawn from (temperature, top-k and top-p
+    applied); at temperature 1 with no truncation that is exactly the model's logprob, the same number
+    ``compute_logprobs`` and the trainer's ``forward`` give. With ``temperature == 0`` decoding is greedy and the
+    reported logprob is the model's own (temperature-1) logprob of the chosen token.
+
+    A sequence stops at a stop token (included in ``tokens``), when its bytes end with a stop string (included), or
+    after ``max_tokens`` tokens (``stop_reason == "length"``).
+    """
+
+    def __init__(self, model: TinyLM, prompt: list[int], num_samples: int, max_tokens: int,
+                 rng: np.random.Generator, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                 stop_token_ids: frozenset[int] = frozenset(), stop_strings: tuple[bytes, ...] = ()) -> None:
+        self.model, self.rng, self.max_tokens = model, rng, max_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.plain = temperature == 1.0 and top_k <= 0 and top_p >= 1.0  # q is the model's own distribution
+        self.stop_token_ids, self.stop_strings = stop_token_ids, stop_strings
+        self.max_stop = max((len(s) for s in stop_strings), default=0)
+        _, ctx0 = sequence_features(prompt)
+        self.ctxs = [ctx0.copy() for _ in range(num_samples)]
+        self.out = [Completion([], [], "length") for _ in range(num_samples)]
+        self.texts = [bytearray() for _ in range(num_samples)]
+        self.active = list(range(num_samples)) if max_tokens > 0 else []
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    def keys(self) -> list[list[int]]:
+        """The feature keys of the next prediction of every active sequence."""
+        return [self.ctxs[i].features() for i in self.active]
+
+    def choose(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Draw the next token of every active row from logits ``z``."""
+        n = len(self.active)
+        rows = np.arange(n)
+        if self.temperature == 0:
+            choice = z.argmax(axis=-1)
+            return choice, log_softmax(z)[rows, choice]
+        if self.plain:
+            return _draw(z, self.rng.random(n))
+        q = _sampling_distribution(z, self.temperature, self.top_k, self.top_p)
+        choice = _inverse_cdf(q, self.rng.random(n))
+        return choice, np.log(q[rows, choice])
+
+    def advance(self, choice: np.ndarray, chosen_lp: np.ndarray) -> None:
+        """Append the chosen tokens and retire the sequences that stopped."""
+        still = []
+        for tok, lp, i in zip(choice.tolist(), chosen_lp.tolist(), self.active):
+            comp = self.out[i]
+            comp.tokens.append(tok)
+            comp.logprobs.append(lp)
+            self.ctxs[i].push(tok)
+            if tok < NUM_BYTES:
+                self.texts[i].append(tok)
+            if tok in self.stop_token_ids:
+                comp.stop_reason = "stop"
+                continue
+            if self.max_stop and tok < NUM_BYTES and any(self.texts[i].endswith(s) for s in self.stop_strings):
+                comp.stop_reason = "stop"
+                continue
+            still.append(i)
+        self.steps += 1
+        self.active = still if self.steps < self.max_tokens else []
+
+
+# OpenBLAS computes a matrix product on one thread when it has fewer than 65536 * 4 multiply-adds (its
+# GEMM_MULTITHREAD_THRESHOLD), and a row's bits then depend only on the row; larger products are split over
+# threads by rows, in pieces that depend on the row count. The sampler's forward passes stay below that.
+_ONE_THREAD_MULADDS = 65536 * 4
+
+
+def _sampler_chunk_rows(dim: int) -> int:
+    return max(2, _ONE_THREAD_MULADDS // (dim * VOCAB_SIZE) // 2 * 2)
+
+
+def step_sample_jobs(jobs: list[SampleJob]) -> None:
+    """Advance every unfinished job by one token: one forward pass per model over all their active rows."""
+    by_model: dict[int, list[SampleJob]] = {}
+    for job in jobs:
+        if not job.done:
+            by_model.setdefault(id(job.model), []).append(job)
+    for group in by_model.values():
+        if len(group) == 1:
+            job = group[0]
+            job.advance(*job.choose(sampler_logits(job.model, job.keys())))
+            continue
+        z = sampler_logits(group[0].model, [k for job in group for k in job.keys()])
+        bounds = np.cumsum([0] + [len(job.active) for job in group]).tolist()
+        choice = np.empty(len(z), dtype=np.int64)
+        chosen_lp = np.empty(len(z))
+        plain = [j for j, job in enumerate(group) if job.plain]
+        if plain:  # the common case, drawn for all such jobs at once (each job with its own random numbers)
+            u = np.concatenate([group[j].rng.random(bounds[j + 1] - bounds[j]) for j in plain])
+            if len(plain) == len(group):
+                choice[:], chosen_lp[:] = _draw(z, u)
+            else:
+                rows = np.concatenate([np.arange(bounds[j], bounds[j + 1]) for j in plain])
+                choice[rows], chosen_lp[rows] = _draw(z[rows], u)
+        for j, job in enumerate(group):
+            if not job.plain:
+                a, b = bounds[j], bounds[j + 1]
+                choice[a:b], chosen_lp[a:b] = job.choose(z[a:b])
+        for j, job in enumerate(group):
+            job.advance(choice[bounds[j]:bounds[j + 1]], chosen_lp[bounds[j]:bounds[j + 1]])
+
+
+def sampler_logits(model: TinyLM, keys) -> np.ndarray:
+    """Logits for the rows ``keys``, batch-invariant whatever BLAS's thread count: in chunks small enough that
+    BLAS computes each on one thread, each padded to an even row count (see :meth:`TinyLM.forward`)."""
+    keys = np.array(keys, dtype=np.int64)
+    chunk = _sampler_chunk_rows(model.base.dim)
+    if len(keys) <= chunk:
+        return model.forward(keys)[1]
+    return np.concatenate([model.forward(keys[i:i + chunk])[1] for i in range(0, len(keys), chunk)])
+
+
+def run_sample_jobs(jobs: list[SampleJob]) -> None:
+    """Run jobs to completion, batched step by step."""
+    while any(not job.done for job in jobs):
+        step_sample_jobs(jobs)
+
+
 def sample_completions(
     model: TinyLM,
     prompt: list[int],
@@ -428,61 +612,8 @@ def sample_completions(
     stop_token_ids: frozenset[int] = frozenset(),
     stop_strings: tuple[bytes, ...] = (),
 ) -> list[Completion]:
-    """Sample ``num_samples`` continuations of ``prompt``.
-
-    Returned logprobs are those of the distribution each token was drawn from (temperature, top-k and top-p
-    applied); at temperature 1 with no truncation that is exactly the model's logprob, the same number
-    ``compute_logprobs`` and the trainer's ``forward`` give. With ``temperature == 0`` decoding is greedy and the
-    reported logprob is the model's own (temperature-1) logprob of the chosen token.
-
-    A sequence stops at a stop token (included in ``tokens``), when its bytes end with a stop string (included), or
-    after ``max_tokens`` tokens (``stop_reason == "length"``).
-    """
-    _, ctx0 = sequence_features(prompt)
-    ctxs = [ctx0.copy() for _ in range(num_samples)]
-    out = [Completion([], [], "length") for _ in range(num_samples)]
-    texts = [bytearray() for _ in range(num_samples)]
-    active = list(range(num_samples))
-    max_stop = max((len(s) for s in stop_strings), default=0)
-    for _step in range(max_tokens):
-        if not active:
-            break
-        keys = np.array([ctxs[i].features() for i in active], dtype=np.int64)
-        _, z = model.forward(keys)
-        logp = log_softmax(z)
-        if temperature == 0:
-            choice = z.argmax(axis=-1)
-            chosen_lp = logp[np.arange(len(active)), choice]
-        else:
-            q = _sampling_distribution(z, temperature, top_k, top_p) if (
-                temperature != 1.0 or top_k > 0 or top_p < 1.0) else np.exp(logp)
-            u = rng.random(len(active))
-            cdf = np.cumsum(q, axis=-1)
-            choice = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), q.shape[-1] - 1)
-            # never pick a zero-probability token because of rounding in the cumulative sum
-            for j, c in enumerate(choice):
-                while q[j, c] == 0.0:
-                    c -= 1
-                choice[j] = c
-            if q is not None and (temperature != 1.0 or top_k > 0 or top_p < 1.0):
-                chosen_lp = np.log(q[np.arange(len(active)), choice])
-            else:
-                chosen_lp = logp[np.arange(len(active)), choice]
-        still = []
-        for j, i in enumerate(active):
-            tok = int(choice[j])
-            comp = out[i]
-            comp.tokens.append(tok)
-            comp.logprobs.append(float(chosen_lp[j]))
-            ctxs[i].push(tok)
-            if tok < NUM_BYTES:
-                texts[i].append(tok)
-            if tok in stop_token_ids:
-                comp.stop_reason = "stop"
-                continue
-            if max_stop and tok < NUM_BYTES and any(texts[i].endswith(s) for s in stop_strings):
-                comp.stop_reason = "stop"
-                continue
-            still.append(i)
-        active = still
-    return out
+    """Sample ``num_samples`` continuations of ``prompt`` (one :class:`SampleJob` run alone)."""
+    job = SampleJob(model, prompt, num_samples, max_tokens, rng, temperature, top_k, top_p,
+                    stop_token_ids, stop_strings)
+    run_sample_jobs([job])
+    return job.out

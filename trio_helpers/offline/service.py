@@ -68,7 +68,7 @@ from pytrio.types import (
 from trio_helpers.offline import catalog
 from trio_helpers.offline.ledger import Ledger, Usage
 from trio_helpers.offline.losses import adamw_step, resolve_loss_config, run_batch
-from trio_helpers.offline.model import Adapter, TinyLM, log_softmax, sample_completions, sequence_features
+from trio_helpers.offline.model import Adapter, SampleJob, TinyLM, log_softmax, sequence_features, step_sample_jobs
 from trio_helpers.offline.precision import check_precision, sampler_model
 from trio_helpers.offline.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
 from trio_helpers.offline.transport import (
@@ -174,14 +174,78 @@ class _Runtime:
         )
         self.ledger = Ledger()
         self.request_counter = itertools.count()  # the default sampling seed stream
+        # continuous batching of sampling requests (see _sampling_engine)
+        self._batch_lock = threading.Lock()
+        self._batch_arrivals: list = []
+        self._other_waiting = 0  # compute work other than sampling, submitted and not started
+
+    def _compute(self, fn) -> Future:
+        """Run ``fn`` on the compute thread (FIFO with everything else it runs)."""
+        with self._batch_lock:
+            self._other_waiting += 1
+
+        def run():
+            with self._batch_lock:
+                self._other_waiting -= 1
+            return fn()
+
+        return self.compute.submit(run)
+
+    def _sample_batched(self, job_spec) -> Future:
+        """Queue a sampling job ``(start, finish)`` for the engine: ``start()`` returns a
+        :class:`~trio_helpers.offline.model.SampleJob`, ``finish(job)`` the response."""
+        fut: Future = Future()
+        with self._batch_lock:
+            self._batch_arrivals.append((job_spec, fut))
+        self.compute.submit(self._sampling_engine)
+        return fut
+
+    def _sampling_engine(self) -> None:
+        """Continuous batching, as inference servers do it: every step is one forward pass over the active
+        sequences of all running sampling requests; requests that arrived join at the next step and finished
+        ones leave. Results do not depend on the company a request keeps (each job draws its own random
+        numbers; the forward pass is batch-invariant), only its finishing time does. When other compute work
+        (a training request) is waiting, the running batch takes no newcomers, so that work runs next."""
+        running: list = []
+        while True:
+            with self._batch_lock:
+                take = not running or self._other_waiting == 0
+                arrivals, self._batch_arrivals = (self._batch_arrivals, []) if take else ([], self._batch_arrivals)
+            for (start, finish), fut in arrivals:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    running.append((start(), finish, fut))
+                except BaseException as exc:  # noqa: BLE001 - reported through the request's future
+                    fut.set_exception(exc)
+            if not running:
+                return
+            try:
+                step_sample_jobs([job for job, _, _ in running])
+            except BaseException as exc:  # noqa: BLE001
+                for _, _, fut in running:
+                    fut.set_exception(exc)
+                return
+            still = []
+            for job, finish, fut in running:
+                if not job.done:
+                    still.append((job, finish, fut))
+                    continue
+                try:
+                    fut.set_result(finish(job))
+                except BaseException as exc:  # noqa: BLE001
+                    fut.set_exception(exc)
+            running = still
 
     def submit(self, fn, *, operation: str, after: Future | None = None, gate=None,
                on_exhausted=None, task_cuid: str = "", ledgers: tuple[Ledger, ...] = (),
-               work: dict[str, int] | None = None, bill=None) -> Future:
+               work: dict[str, int] | None = None, bill=None, batched=None) -> Future:
         """Send one request: plan its attempts now; then, on the loop, wait, run, account.
 
         Args:
             fn: the work, run once on the compute thread if the request gets through.
+            batched: instead of ``fn``, a sampling job ``(start, finish)`` for the batching
+                engine.
             operation: a key of ``transport.OPERATION_KINDS``.
             after: a training client's previous request; this one starts when that one ends.
             gate: called before sending; raises to refuse the request (a broken client).
@@ -225,7 +289,8 @@ class _Runtime:
                     on_exhausted(error)
                 raise error
             try:
-                result = await self.loop.run_in_executor(self.compute, fn)
+                result = await asyncio.wrap_future(
+                    self._sample_batched(batched) if batched is not None else self._compute(fn))
             except BaseException:
                 _account(ledgers, counts)  # it reached the service; its work failed there
                 raise
@@ -786,15 +851,25 @@ class OfflineSamplingClient:
         when it runs), so that retries and timing never reorder it."""
         return next(self._runtime.request_counter) + 1_000_003 * self._service.options.seed
 
-    def _sample_impl(self, tokens, num_samples, sp: SamplingParams, include_prompt_logprobs,
-                     topk, return_text, seed: int):
-        rng = np.random.default_rng([int(seed), 0x5A4D])
-        ids, strings = _stop_spec(sp.stop)
-        comps = sample_completions(
-            self._model, tokens, num_samples, int(sp.max_tokens), rng,
-            temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),
-            stop_token_ids=ids, stop_strings=strings,
-        )
+    def _sample_job(self, tokens, num_samples, sp: SamplingParams, include_prompt_logprobs,
+                    topk, return_text, seed: int):
+        """The request as a batching-engine job: ``(start, finish)``."""
+
+        def start() -> SampleJob:
+            ids, strings = _stop_spec(sp.stop)
+            return SampleJob(
+                self._model, tokens, num_samples, int(sp.max_tokens),
+                np.random.default_rng([int(seed), 0x5A4D]),
+                temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),
+                stop_token_ids=ids, stop_strings=strings,
+            )
+
+        def finish(job: SampleJob) -> SampleResponse:
+            return self._response(tokens, job.out, include_prompt_logprobs, topk, return_text)
+
+        return start, finish
+
+    def _response(self, tokens, comps, include_prompt_logprobs, topk, return_text) -> SampleResponse:
         tok = get_offline_tokenizer() if return_text else None
         prompt_lp: list[float | None] = []
         topk_lp: list[list[tuple[int, float]] | None] = []
@@ -853,8 +928,8 @@ class OfflineSamplingClient:
         if seed is None:
             seed = self._default_seed()
         fut = self._runtime.submit(
-            lambda: self._sample_impl(tokens, num_samples, sampling_params,
-                                      include_prompt_logprobs, topk, return_text, seed),
+            None, batched=self._sample_job(tokens, num_samples, sampling_params,
+                                           include_prompt_logprobs, topk, return_text, seed),
             operation="sample", ledgers=(self._ledger,),
             work={"samples": num_samples, "prompt_tokens": len(tokens)},
             bill=_sampled_tokens,
@@ -891,8 +966,12 @@ class OfflineSamplingClient:
         tokens = self._validate_prompt(prompt)
 
         def run() -> list[float | None]:
-            logp = self._prompt_logprobs(tokens)
-            return [None] + [float(logp[i - 1, tokens[i]]) for i in range(1, len(tokens))]
+            if len(tokens) < 2:
+                return [None]
+            keys, _ = sequence_features(tokens)
+            _, shifted, norm = self._model.log_softmax_parts(keys[:-1])  # log_softmax = shifted - norm
+            nxt = np.asarray(tokens[1:])
+            return [None] + (shifted[np.arange(len(nxt)), nxt] - norm[:, 0]).tolist()
 
         return APIFuture(self._runtime.submit(
             run, operation="compute_logprobs", ledgers=(self._ledger,),

@@ -42,9 +42,10 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 # `make test` runs the suite on two pytest-xdist workers (this is a 2-core machine); `--dist loadfile` keeps each
-# file on one worker, so a notebook's cells run in order on one kernel. Plain `pytest` runs serially.
+# file on one worker, so a notebook's cells run in order on one kernel; files go out in collection order, which
+# conftest.py sorts slowest notebook first. Plain `pytest` runs serially.
 # benchmarks/bench_book.py times the notebooks with this target's own command (`make -n test`).
-TEST_ARGS := -n 2 --dist loadfile
+TEST_ARGS := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: venv
 	TRIO_BACKEND=offline $(BIN)/python -m pytest $(TEST_ARGS)

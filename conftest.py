@@ -40,6 +40,25 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.nbval_sanitize_with = str(config.rootpath / sanitize)
 
 
+# Longest first (times from `python benchmarks/bench_book.py`), so that pytest-xdist, which hands files to its
+# workers in collection order (`make test` passes --no-loadscope-reorder), never starts a long chapter last.
+SLOWEST_FIRST = ("05_grpo_async", "06_opd", "04_grpo_sync", "07_evaluation", "09_sft_and_kl", "08_losses",
+                 "02_reward_parsing", "01_gsm8k_data", "03_datum_alignment")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Notebooks first, slowest first; everything else after them in its own order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+
+    def key(item) -> int:
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
+            return rank.get(path.stem, len(rank))
+        return len(rank) + 1
+
+    items.sort(key=key)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Fit (or load from the cache) the offline base models before any test or notebook kernel needs them.
 

@@ -204,13 +204,18 @@ def fill_invariant(path: Path) -> int:
     from sphinx_intl import catalog as c
 
     cat = load(path)
-    changed = 0
+    changed = rewrite = 0
     for m in cat:
         if m.id and is_invariant(m.id) and (not m.string or m.fuzzy):
             m.string = m.id
             m.flags.discard("fuzzy")
             changed += 1
-    if changed:
+        # Babel marks any text with a "%" followed by a letter ("95% interval") as a Python format string,
+        # and `msgfmt -c` then demands the same directive in the translation; MyST text is never one.
+        if "python-format" in m.flags and "no-python-format" not in m.flags:
+            m.flags.add("no-python-format")
+            rewrite += 1
+    if changed or rewrite:
         c.dump_po(str(path), cat, width=LINE_WIDTH, ignore_obsolete=True)
     return changed
 

@@ -199,6 +199,9 @@ def stale_catalogs(pot_dir: Path, catalog_dir: Path = CATALOG_DIR) -> list[str]:
     return problems
 
 
+FLAG_LINE = re.compile(r"^#, (.*no-python-format.*)$", re.MULTILINE)
+
+
 def fill_invariant(path: Path) -> int:
     """Give every untranslated or fuzzy entry with nothing to translate its msgid as msgstr; return how many."""
     from sphinx_intl import catalog as c
@@ -217,6 +220,12 @@ def fill_invariant(path: Path) -> int:
             rewrite += 1
     if changed or rewrite:
         c.dump_po(str(path), cat, width=LINE_WIDTH, ignore_obsolete=True)
+    # Babel adds the guess back whenever it reads a catalog, so drop it from the file's flag lines
+    text = path.read_text(encoding="utf-8")
+    tidy = FLAG_LINE.sub(lambda m: "#, " + ", ".join(f for f in m.group(1).split(", ") if f != "python-format"),
+                         text)
+    if tidy != text:
+        path.write_text(tidy, encoding="utf-8")
     return changed
 
 
@@ -279,9 +288,35 @@ def translated_title() -> str:
     return BOOK_TITLE
 
 
+def glue_in_translated_text() -> None:
+    """Let `{glue:text}` roles work inside translated paragraphs.
+
+    Sphinx's i18n transform parses each msgstr after the notebook itself was parsed, when myst-nb no longer
+    holds the notebook's glued values where a same-page `{glue:text}` role looks them up: every glue role of
+    a translated paragraph would fail with "No key ... found in glue data". So, in translated text, such a
+    role is read as myst-nb's cross-page form `this-notebook.ipynb::key`, a reference that myst-nb resolves
+    after reading, from the glued values it saved while parsing the page: the same values, the same format."""
+    from pathlib import PurePath
+
+    from myst_nb.ext.glue.roles import PasteTextRole
+
+    original_run = PasteTextRole.run
+
+    def run(self):
+        if "nb_renderer" not in self.document and "::" not in self.text:
+            env = self.document.settings.env
+            spec = "" if ":" in self.text else ":s"  # the role's own default format, stated (the colon of
+            # "page::key" would otherwise be read as the key's format separator)
+            self.text = f"{PurePath(env.doc2path(env.docname)).name}::{self.text}{spec}"
+        return original_run(self)
+
+    PasteTextRole.run = run
+
+
 def build_html() -> int:
     t0 = time.monotonic()
     speed_up_chinese_search_index()
+    glue_in_translated_text()
     overrides = {"language": LANGUAGE, "html_title": translated_title(), **UI_STRINGS}
     status = sphinx_build("html", HTML_DIR, HTML_DIR.parent / ".doctrees", overrides, strict=True)
     took = time.monotonic() - t0

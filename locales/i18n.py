@@ -313,11 +313,31 @@ def glue_in_translated_text() -> None:
     PasteTextRole.run = run
 
 
+def translated_toc() -> Path:
+    """A copy of _toc.yml with the part captions translated from the catalogs.
+
+    sphinx-external-toc inserts the toctrees after Sphinx's i18n transform has run, so their captions (which
+    the sidebar shows) would stay English; their msgids are in the root page's catalog like any other text."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    strings = {m.id: m.string for po in catalogs() for m in load(po) if m.id and m.string and not m.fuzzy}
+    missing = [part["caption"] for part in toc.get("parts", []) if part.get("caption") not in strings]
+    if missing:
+        raise SystemExit(f"error: no translation of the part caption(s) {missing}: run `make catalogs` and "
+                         "translate them")
+    for part in toc.get("parts", []):
+        part["caption"] = strings[part["caption"]]
+    path = BUILD_DIR / LANGUAGE / "_toc.yml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(toc, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    return path
+
+
 def build_html() -> int:
     t0 = time.monotonic()
     speed_up_chinese_search_index()
     glue_in_translated_text()
-    overrides = {"language": LANGUAGE, "html_title": translated_title(), **UI_STRINGS}
+    overrides = {"language": LANGUAGE, "html_title": translated_title(),
+                 "external_toc_path": translated_toc().as_posix(), **UI_STRINGS}
     status = sphinx_build("html", HTML_DIR, HTML_DIR.parent / ".doctrees", overrides, strict=True)
     took = time.monotonic() - t0
     if status:

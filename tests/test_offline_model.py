@@ -552,6 +552,22 @@ def test_concurrent_sampling_requests_share_forward_passes(svc, tok, monkeypatch
     assert max(calls) > 1 and len(calls) < 8 * 32, (len(calls), max(calls))
 
 
+def test_trainer_reads_the_samplers_feature_rows_bit_for_bit(svc, tok):
+    """Rows the sampler kept for a completion are exactly the rows recomputing them gives (for every sampled
+    completion, stopped or cut by max_tokens), so reading them changes no number the trainer computes."""
+    from trio_helpers.offline import model as offline_model
+
+    sampler = svc.create_sampling_client(MODEL)
+    prompt = chat_prompt(tok, "Ann has 3 apples and buys 4 more. How many now?")
+    result = sampler.sample(mi(prompt), num_samples=4, sampling_params=params(max_tokens=40, seed=7)).result()
+    assert {s.stop_reason for s in result.sequences} <= {"stop", "length"}
+    for seq in result.sequences:
+        tokens = prompt + list(seq.tokens[:-1])
+        assert offline_model._SAMPLED.get(tuple(tokens)) is not None  # the sampler kept them
+        np.testing.assert_array_equal(offline_model.sequence_rows(tokens),
+                                      offline_model.sequence_features(tokens)[0])
+
+
 def test_fresh_training_client_samples_like_the_base_model(svc, tok):
     tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=9)
     assert not tc._model.adapter.B.any()

@@ -436,14 +436,13 @@ def _require_offline(**clients) -> None:
 
 def _exact_kl_of(student_sampler, teacher_sampler, pairs) -> dict[str, float]:
     """Exact per-position reverse KL over ``(prompt_tokens, completion_tokens)`` pairs, split at the final line."""
-    from trio_helpers.offline.model import log_softmax, sequence_features
+    from trio_helpers.offline.model import log_softmax, sequence_rows
 
     tokenizer = student_sampler.get_tokenizer()
     kls, sampled, final = [], [], []
     for pt, ct in pairs:
         tokens = list(pt) + list(ct)
-        keys, _ = sequence_features(tokens)
-        rows = keys[len(pt) - 1 : len(tokens) - 1]
+        rows = sequence_rows(tokens[:-1])[len(pt) - 1 :]
         ls = log_softmax(student_sampler._model.forward(rows)[1])
         lt = log_softmax(teacher_sampler._model.forward(rows)[1])
         kls.append((np.exp(ls) * (ls - lt)).sum(axis=-1))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trio_helpers.offline.model import NUM_FEATURES, TinyLM, sequence_features
+from trio_helpers.offline.model import NUM_FEATURES, TinyLM, sequence_rows
 
 LOSS_CONFIG_KEYS = {
     "cross_entropy": {},
@@ -100,7 +100,7 @@ def run_batch(model: TinyLM, plan, loss_fn: str, cfg: dict[str, float], auto_shi
     offset = 0
     for s in samples:
         tokens = s.model_input.to_ints()
-        keys, _ = sequence_features(tokens)
+        keys = sequence_rows(tokens)
         T = len(tokens)
         target = np.asarray(s.target_tokens, dtype=np.int64)
         start = 1 if auto_shift else 0

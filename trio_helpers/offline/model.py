@@ -335,6 +335,21 @@ def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
     return np.array(rows, dtype=np.int64).reshape(len(rows), KEY_WIDTH), ctx
 
 
+# The feature rows the sampler computed for each completion it returned, keyed by the token sequence they
+# describe (prompt + completion[:-1]): training on that completion, or scoring it, needs exactly these rows,
+# and features depend on the tokens only, so reading them here gives the same bits as recomputing them.
+_SAMPLED = FeatureCache(max_items=512)
+
+
+def sequence_rows(tokens: list[int]) -> np.ndarray:
+    """The feature keys of :func:`sequence_features` (rows only): what the trainer and the logprob scorer
+    need, for a sampled completion read from the sampler's own computation."""
+    hit = _SAMPLED.get(tuple(tokens))
+    if hit is None:
+        return sequence_features(tokens)[0]
+    return np.concatenate(hit)  # (the prompt's rows, the completion's)
+
+
 def table_rows(keys: np.ndarray, table_size: int) -> np.ndarray:
     """Map hashed feature keys ``[..., NUM_FEATURES]`` to embedding-table rows (per-question slots: upper half)."""
     half = table_size // 2
@@ -494,7 +509,9 @@ class SampleJob:
         self.plain = temperature == 1.0 and top_k <= 0 and top_p >= 1.0  # q is the model's own distribution
         self.stop_token_ids, self.stop_strings = stop_token_ids, stop_strings
         self.max_stop = max((len(s) for s in stop_strings), default=0)
-        _, ctx0 = sequence_features(prompt)
+        self.prompt_rows, ctx0 = sequence_features(prompt)
+        self.prompt = tuple(prompt)
+        self.rows: list[list[list[int]]] = [[] for _ in range(num_samples)]
         self.ctxs = [ctx0.copy() for _ in range(num_samples)]
         self.out = [Completion([], [], "length") for _ in range(num_samples)]
         self.texts = [bytearray() for _ in range(num_samples)]
@@ -507,7 +524,19 @@ class SampleJob:
 
     def keys(self) -> list[list[int]]:
         """The feature keys of the next prediction of every active sequence."""
-        return [self.ctxs[i].features() for i in self.active]
+        keys = [self.ctxs[i].features() for i in self.active]
+        for i, k in zip(self.active, keys):
+            self.rows[i].append(k)
+        return keys
+
+    def _retire(self, i: int) -> None:
+        """Sequence ``i`` is complete: offer its feature rows to the trainer (see ``sequence_rows``)."""
+        tokens = self.out[i].tokens
+        # row t of the sampler is the context prompt + tokens[:t]; the sequence prompt + tokens[:-1] needs
+        # the prompt's rows (its last one is row 0) and rows 1 .. len(tokens) - 1
+        rows = np.array(self.rows[i][1:len(tokens)], dtype=np.int64).reshape(-1, KEY_WIDTH)
+        _SAMPLED.put(self.prompt + tuple(tokens[:-1]), (self.prompt_rows, rows))
+        self.rows[i] = []
 
     def choose(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Draw the next token of every active row from logits ``z``."""
@@ -534,13 +563,19 @@ class SampleJob:
                 self.texts[i].append(tok)
             if tok in self.stop_token_ids:
                 comp.stop_reason = "stop"
+                self._retire(i)
                 continue
             if self.max_stop and tok < NUM_BYTES and any(self.texts[i].endswith(s) for s in self.stop_strings):
                 comp.stop_reason = "stop"
+                self._retire(i)
                 continue
             still.append(i)
         self.steps += 1
-        self.active = still if self.steps < self.max_tokens else []
+        if self.steps >= self.max_tokens:
+            for i in still:
+                self._retire(i)
+            still = []
+        self.active = still
 
 
 # OpenBLAS computes a matrix product on one thread when it has fewer than 65536 * 4 multiply-adds (its

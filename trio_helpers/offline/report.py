@@ -127,15 +127,14 @@ def reverse_kl(trio, student_sampler, teacher_sampler, prompts, seed, max_tokens
     (``sum_v p_s(v) * (log p_s(v) - log p_t(v))``), not a one-sample estimate. Several fixed-seed samples per prompt
     keep the measure from hinging on whether one sample happened to go astray.
     """
-    from trio_helpers.offline.model import log_softmax, sequence_features
+    from trio_helpers.offline.model import log_softmax, sequence_rows
 
     kls = []
     for i, p in enumerate(prompts):
         params = trio.SamplingParams(max_tokens=max_tokens, seed=seed + i)
         for seq in student_sampler.sample(p, num_samples=samples, sampling_params=params).result().sequences:
             tokens = p.to_ints() + seq.tokens
-            keys, _ = sequence_features(tokens)
-            rows = keys[len(p.to_ints()) - 1 : len(tokens) - 1]
+            rows = sequence_rows(tokens[:-1])[len(p.to_ints()) - 1 :]
             ls = log_softmax(student_sampler._model.forward(rows)[1])
             lt = log_softmax(teacher_sampler._model.forward(rows)[1])
             kls.extend((np.exp(ls) * (ls - lt)).sum(axis=-1))

@@ -68,7 +68,8 @@ from pytrio.types import (
 from trio_helpers.offline import catalog
 from trio_helpers.offline.ledger import Ledger, Usage
 from trio_helpers.offline.losses import adamw_step, resolve_loss_config, run_batch
-from trio_helpers.offline.model import Adapter, SampleJob, TinyLM, log_softmax, sequence_features, step_sample_jobs
+from trio_helpers.offline.model import (Adapter, SampleJob, TinyLM, log_softmax, sequence_features, sequence_rows,
+                                         step_sample_jobs)
 from trio_helpers.offline.precision import check_precision, sampler_model
 from trio_helpers.offline.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
 from trio_helpers.offline.transport import (
@@ -968,8 +969,8 @@ class OfflineSamplingClient:
         def run() -> list[float | None]:
             if len(tokens) < 2:
                 return [None]
-            keys, _ = sequence_features(tokens)
-            _, shifted, norm = self._model.log_softmax_parts(keys[:-1])  # log_softmax = shifted - norm
+            keys = sequence_rows(tokens[:-1])  # the contexts of tokens[1:]
+            _, shifted, norm = self._model.log_softmax_parts(keys)  # log_softmax = shifted - norm
             nxt = np.asarray(tokens[1:])
             return [None] + (shifted[np.arange(len(nxt)), nxt] - norm[:, 0]).tolist()
 

@@ -8,7 +8,8 @@ Usage::
 
 Everything runs through the book's own loop, ``trio_helpers.grpo.run_grpo``, on ``connect("offline",
 latency=L)``: every request (sampling, training, control) waits ``L`` seconds "on the network", concurrently with
-other requests in flight, then runs its numpy compute on the backend's single compute worker.
+other requests in flight, then runs its numpy compute on the backend's single compute worker (sampling requests in
+flight batched, as an inference server does).
 
 What is measured, at each latency ``L`` (``--latencies``, default 1.0 and 0.2):
 
@@ -36,9 +37,10 @@ What is measured, at each latency ``L`` (``--latencies``, default 1.0 and 0.2):
 
 Ceilings printed next to the bars, because the offline backend is not the service:
 
-- the compute of concurrent requests runs **serially on one worker** (the service batches them), so the
-  async rollout cannot be faster than ``L + sum of the requests' compute``; the *serial-compute floor* replaces
-  the slowest request by that in the bound, and ``floor / bound`` is the best ratio this backend allows;
+- the compute of concurrent requests runs on **one CPU worker**; it batches the sampling requests in flight (as
+  the service does), but a CPU batch costs a good part of the requests one by one. The *serial-compute floor*
+  replaces the slowest request in the bound by ``L + sum of the requests' compute`` sent alone: the best ratio
+  this backend would allow without batching (a measured ratio below ``floor / bound`` is batching at work);
 - a training client's requests run in submission order and each one's latency starts only when the previous one
   has finished, so submitting ``optim_step`` early overlaps nothing offline: the ordering cost measured here is
   ~0 by construction. On the service the queued ``optim_step`` would already have been sent while
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
               f" + slowest request {mean([r['slowest'] for r in rows]):.2f} + forward_backward "
               f"{mean([r['forward_backward'] for r in rows]):.2f} + optim_step {mean([r['optim_step'] for r in rows]):.2f}")
         print(f"  serial-compute floor                 {floor:6.2f} s   (the {args.batch} requests' compute, "
-              f"{mean(m['compute']):.2f} s, runs on one worker)")
+              f"{mean(m['compute']):.2f} s, one by one; batching beats it)")
         print(f"  sync rollout (requests one by one)   {m['sequential']:6.2f} s   vs async rollout "
               f"{m['phases']['sample']:.2f} s: {m['sequential'] / m['phases']['sample']:.1f}x")
         aw, bb = mean([r["awaited"] for r in rows]), mean([r["back_to_back"] for r in rows])

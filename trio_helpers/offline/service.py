@@ -6,7 +6,8 @@ sampling client's checks for prompts and ``max_tokens``). Work runs on a private
 like pytrio's runtime, so the sync API works inside Jupyter's running loop and the async API under any loop.
 
 Every request waits a simulated network latency (concurrently, like real requests in flight)
-and then runs its numpy computation on one worker thread (the "accelerator"); a training
+and then runs its numpy computation on one worker thread (the "accelerator"), where the
+sampling requests in flight are batched (see ``_Runtime._sampling_engine``); a training
 client's operations run in submission order. Creating a training or sampling client is a
 request too (a control call, as on the service), and
 ``save_weights_and_get_sampling_client`` is two: a training event that snapshots the

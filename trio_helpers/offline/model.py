@@ -457,12 +457,12 @@ def _sampling_distribution(z: np.ndarray, temperature: float, top_k: int, top_p:
     return q / q.sum(axis=-1, keepdims=True)
 
 
-def _inverse_cdf(q: np.ndarray, u: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+def _inverse_cdf(q: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Per row, the token whose cumulative probability first exceeds ``u`` (in [0, 1)) of the row's mass."""
     cdf = np.cumsum(q, axis=-1)
     choice = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), q.shape[-1] - 1)
     # never pick a zero-probability token because of rounding in the cumulative sum
-    for j in np.flatnonzero(q[np.arange(len(q)) if rows is None else rows, choice] == 0.0):
+    for j in np.flatnonzero(q[np.arange(len(q)), choice] == 0.0):
         c = choice[j]
         while q[j, c] == 0.0:
             c -= 1
@@ -478,16 +478,15 @@ def _draw(z: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     s = z - z.max(axis=-1, keepdims=True)
     e = np.exp(s)
-    rows = np.arange(len(z))
-    choice = _inverse_cdf(e, u, rows)
-    return choice, s[rows, choice] - np.log(e.sum(axis=-1))
+    choice = _inverse_cdf(e, u)
+    return choice, s[np.arange(len(z)), choice] - np.log(e.sum(axis=-1))
 
 
 class SampleJob:
     """One sampling request, advanced one token per step, alone or together with other requests.
 
     An inference server batches the requests in flight (continuous batching): every step it runs one forward
-    pass over the active rows of all of them. :func:`run_sample_jobs` does the same with jobs of one model, and
+    pass over the active rows of all of them. :func:`step_sample_jobs` does the same with jobs of one model, and
     a job's tokens and logprobs do not depend on which other jobs share its steps: each job draws its own
     random numbers, and every computation is row by row (the forward pass is batch-invariant, see
     :meth:`TinyLM.forward`), so a request gives the same completions alone or in any batch.
@@ -627,28 +626,3 @@ def sampler_logits(model: TinyLM, keys) -> np.ndarray:
     if len(keys) <= chunk:
         return model.forward(keys)[1]
     return np.concatenate([model.forward(keys[i:i + chunk])[1] for i in range(0, len(keys), chunk)])
-
-
-def run_sample_jobs(jobs: list[SampleJob]) -> None:
-    """Run jobs to completion, batched step by step."""
-    while any(not job.done for job in jobs):
-        step_sample_jobs(jobs)
-
-
-def sample_completions(
-    model: TinyLM,
-    prompt: list[int],
-    num_samples: int,
-    max_tokens: int,
-    rng: np.random.Generator,
-    temperature: float = 1.0,
-    top_k: int = -1,
-    top_p: float = 1.0,
-    stop_token_ids: frozenset[int] = frozenset(),
-    stop_strings: tuple[bytes, ...] = (),
-) -> list[Completion]:
-    """Sample ``num_samples`` continuations of ``prompt`` (one :class:`SampleJob` run alone)."""
-    job = SampleJob(model, prompt, num_samples, max_tokens, rng, temperature, top_k, top_p,
-                    stop_token_ids, stop_strings)
-    run_sample_jobs([job])
-    return job.out

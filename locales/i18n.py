@@ -21,6 +21,7 @@ After `sphinx-intl update`, entries with nothing to translate (only code, math, 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shutil
 import subprocess
@@ -279,13 +280,18 @@ def speed_up_chinese_search_index() -> None:
     zh.SearchChinese.split = split
 
 
+@functools.lru_cache(maxsize=1)
+def root_translations() -> dict[str, str]:
+    """The translated (not fuzzy) strings of the landing page's catalog, the root of _toc.yml: the book's
+    title is that page's heading, and the toc's part captions are extracted with that page."""
+    root = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))["root"]
+    return {m.id: m.string for m in load(CATALOG_DIR / f"{root}.po") if m.id and m.string and not m.fuzzy}
+
+
 def translated_title() -> str:
     """The book's title (_config.yml's `title`, Sphinx's html_title) as translated in the landing page's
-    catalog, where it is that page's heading; the English title while it is untranslated."""
-    for m in load(CATALOG_DIR / "book" / "intro.po"):
-        if m.id == BOOK_TITLE and m.string and not m.fuzzy:
-            return m.string
-    return BOOK_TITLE
+    catalog; the English title while it is untranslated."""
+    return root_translations().get(BOOK_TITLE, BOOK_TITLE)
 
 
 def glue_in_translated_text() -> None:
@@ -317,9 +323,9 @@ def translated_toc() -> Path:
     """A copy of _toc.yml with the part captions translated from the catalogs.
 
     sphinx-external-toc inserts the toctrees after Sphinx's i18n transform has run, so their captions (which
-    the sidebar shows) would stay English; their msgids are in the root page's catalog like any other text."""
+    the sidebar shows) would stay English; their msgids are in the root page's catalog."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
-    strings = {m.id: m.string for po in catalogs() for m in load(po) if m.id and m.string and not m.fuzzy}
+    strings = root_translations()
     missing = [part["caption"] for part in toc.get("parts", []) if part.get("caption") not in strings]
     if missing:
         raise SystemExit(f"error: no translation of the part caption(s) {missing}: run `make catalogs` and "

@@ -245,21 +245,28 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
     The teacher continues from the student's fitted weights (so it knows everything the student knows, then is
     fitted further on mostly-boxed answers); its cache key therefore includes the student's.
     """
-    init = None
-    fingerprint = _fingerprint(spec)
-    if spec.role == "teacher":
-        init = load_or_fit(STUDENT)
-        fingerprint = hashlib.sha256((fingerprint + _fingerprint(STUDENT)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{spec.role}-{fingerprint}.npz"
+    path = cache_path(spec)
     if not path.exists():
         if spec in (STUDENT, TEACHER) and os.environ.get(_WORKER_ENV) != str(FIT_THREADS):
-            # fit the book's models where BLAS has FIT_THREADS threads, whatever this process has
-            subprocess.run([sys.executable, "-m", "trio_helpers.offline.fit"], check=True,
-                           env={**os.environ, **_fit_env()})
+            _fit_in_subprocess(check=True)  # where BLAS has FIT_THREADS threads, whatever this process has
         else:
-            _fit_and_cache(spec, init, path)
+            _fit_and_cache(spec, load_or_fit(STUDENT) if spec.role == "teacher" else None, path)
     with np.load(path) as z:
         return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
+
+
+def cache_path(spec) -> Path:
+    """Where ``spec``'s fitted weights are cached: a file named by the fingerprint of what determines them."""
+    fingerprint = _fingerprint(spec)
+    if spec.role == "teacher":
+        fingerprint = hashlib.sha256((fingerprint + _fingerprint(STUDENT)).encode()).hexdigest()[:16]
+    return cache_dir() / f"{spec.role}-{fingerprint}.npz"
+
+
+def _fit_in_subprocess(check: bool) -> int:
+    """Run this module's ``__main__`` (fit or load both book models) with BLAS on ``FIT_THREADS`` threads."""
+    return subprocess.run([sys.executable, "-m", "trio_helpers.offline.fit"], check=check,
+                          env={**os.environ, **_fit_env()}).returncode
 
 
 # The last bits of fitted weights depend on how many threads BLAS splits the fitting's matrix products over;
@@ -315,8 +322,7 @@ def ensure_fitted() -> None:
 
 if __name__ == "__main__":
     if os.environ.get(_WORKER_ENV) != str(FIT_THREADS):  # numpy is imported: re-run with the threads set
-        sys.exit(subprocess.run([sys.executable, "-m", "trio_helpers.offline.fit"],
-                                env={**os.environ, **_fit_env()}).returncode)
+        sys.exit(_fit_in_subprocess(check=False))
     for spec in (STUDENT, TEACHER):
         t = time.perf_counter()
         load_or_fit(spec)

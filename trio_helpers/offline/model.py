@@ -364,10 +364,15 @@ def _row_offsets(half: int) -> np.ndarray:
     return offsets
 
 
+def shifted_exp(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(s, exp(s))`` with ``s = z - max z`` row by row: ``log_softmax(z) == s - log(sum exp(s))``."""
+    s = z - z.max(axis=-1, keepdims=True)
+    return s, np.exp(s)
+
+
 def log_softmax(z: np.ndarray) -> np.ndarray:
-    m = z.max(axis=-1, keepdims=True)
-    s = z - m
-    return s - np.log(np.exp(s).sum(axis=-1, keepdims=True))
+    s, e = shifted_exp(z)
+    return s - np.log(e.sum(axis=-1, keepdims=True))
 
 
 class TinyLM:
@@ -413,8 +418,8 @@ class TinyLM:
         """``(h, s, n)`` with ``log_softmax(logits) == s - n`` elementwise, the same bits as
         :meth:`logprobs_all`, for callers that need only some of its entries."""
         h, z = self.forward(keys)
-        s = z - z.max(axis=-1, keepdims=True)
-        return h, s, np.log(np.exp(s).sum(axis=-1, keepdims=True))
+        s, e = shifted_exp(z)
+        return h, s, np.log(e.sum(axis=-1, keepdims=True))
 
     def adapter_grads(self, h, slots, logp, targets, coef):
         """Gradients of ``L`` with respect to the adapter, given ``coef_i = dL/dlp_i`` for target logprobs ``lp_i``.
@@ -476,8 +481,7 @@ def _draw(z: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     The same numbers as ``log_softmax`` gives for the chosen tokens, computed only for them; the cumulative sum
     runs over the unnormalised ``exp(z - max z)``, as sampling does not need the normalised probabilities.
     """
-    s = z - z.max(axis=-1, keepdims=True)
-    e = np.exp(s)
+    s, e = shifted_exp(z)
     choice = _inverse_cdf(e, u)
     return choice, s[np.arange(len(z)), choice] - np.log(e.sum(axis=-1))
 
@@ -594,7 +598,7 @@ def step_sample_jobs(jobs: list[SampleJob]) -> None:
         if not job.done:
             by_model.setdefault(id(job.model), []).append(job)
     for group in by_model.values():
-        if len(group) == 1:
+        if len(group) == 1:  # the sync loop's case, without the bookkeeping of a shared batch
             job = group[0]
             job.advance(*job.choose(sampler_logits(job.model, job.keys())))
             continue

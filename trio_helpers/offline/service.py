@@ -199,6 +199,8 @@ class _Runtime:
         fut: Future = Future()
         with self._batch_lock:
             self._batch_arrivals.append((job_spec, fut))
+        # one engine call per arrival, in the compute queue's order: the first runs the batch and later ones
+        # find their job taken (and return at once) or take the arrivals a busy batch turned away
         self.compute.submit(self._sampling_engine)
         return fut
 

@@ -528,12 +528,17 @@ def test_batched_sampling_gives_each_request_its_own_completions(svc, tok):
         (sampler, "Say hi.", 2, params(max_tokens=30, seed=4, temperature=0.7, top_k=20)),
         (sampler, "Say hi.", 5, params(max_tokens=12, seed=5, top_p=0.8, stop=["\n"])),
         (other, "Pick a number.", 4, params(max_tokens=20, seed=6)),
+        # requests with equal settings are drawn in one call: greedy with greedy, top-k with top-k
+        (sampler, "Pick a number.", 2, params(max_tokens=24, seed=7, temperature=0.0)),
+        (sampler, "Ann has 3 apples.", 3, params(max_tokens=30, seed=8, temperature=0.7, top_k=20)),
     ]
-    alone = [s.sample(mi(chat_prompt(tok, q)), num_samples=n, sampling_params=p).result()
-             for s, q, n, p in cases]
-    futures = [s.sample(mi(chat_prompt(tok, q)), num_samples=n, sampling_params=p) for s, q, n, p in cases]
-    together = [f.result() for f in futures]
-    assert together == alone
+    greedy_only = [case for case in cases if case[3].temperature == 0.0]  # a batch of one setting only
+    for batch in (cases, greedy_only):
+        alone = [s.sample(mi(chat_prompt(tok, q)), num_samples=n, sampling_params=p).result()
+                 for s, q, n, p in batch]
+        futures = [s.sample(mi(chat_prompt(tok, q)), num_samples=n, sampling_params=p) for s, q, n, p in batch]
+        together = [f.result() for f in futures]
+        assert together == alone
 
 
 def test_concurrent_sampling_requests_share_forward_passes(svc, tok, monkeypatch):
@@ -566,6 +571,39 @@ def test_trainer_reads_the_samplers_feature_rows_bit_for_bit(svc, tok):
         assert offline_model._SAMPLED.get(tuple(tokens)) is not None  # the sampler kept them
         np.testing.assert_array_equal(offline_model.sequence_rows(tokens),
                                       offline_model.sequence_features(tokens)[0])
+
+
+@pytest.mark.parametrize("auto_shift", [False, True])
+def test_trainer_computes_a_shared_prompt_once_with_the_same_numbers(svc, tok, auto_shift):
+    """The completions of one sampling request share their prompt's feature rows; the trainer runs them through
+    its forward pass once. Logprobs, loss and gradients are the same bits as with every datum's rows computed
+    in full (the sampler's rows forgotten)."""
+    from trio_helpers.offline import losses
+    from trio_helpers.offline import model as offline_model
+
+    tc = trained_client(svc)
+    set_b(tc, seed=3)
+    prompt = chat_prompt(tok, "Ann has 3 apples and buys 4 more. How many now?")
+    sampler = tc.save_weights_and_get_sampling_client()
+    result = sampler.sample(mi(prompt), num_samples=4, sampling_params=params(max_tokens=40, seed=7)).result()
+    data = [_is_datum(prompt, list(s.tokens), s.logprobs, adv=a)
+            for s, a in zip(result.sequences, (0.5, -0.5, 1.0, -1.0))]
+    data.append(_is_datum(prompt, list(b"7 apples."), [-1.0] * 9, adv=0.3))  # not sampled: rows computed
+    plan = plan_training_batch(data, loss_fn="importance_sampling", auto_shift=auto_shift,
+                               limits=TRAINING_LIMITS, tokenizer_vocab_size=VOCAB_SIZE)
+    blocks = [offline_model.sequence_row_blocks(d.model_input.to_ints()) for d in data]
+    assert all(b[0] is blocks[0][0] for b in blocks[:4]) and len(blocks[4]) == 1  # one prompt block, shared
+
+    shared = losses.run_batch(tc._model, plan, "importance_sampling", {}, auto_shift, backward=True)
+    offline_model._SAMPLED.items.clear()
+    full = losses.run_batch(tc._model, plan, "importance_sampling", {}, auto_shift, backward=True)
+    assert shared.loss_sum == full.loss_sum and shared.token_count == full.token_count
+    for a, b in zip(shared.per_sample_logprobs, full.per_sample_logprobs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert shared.grads.keys() == full.grads.keys()
+    for name in full.grads:
+        np.testing.assert_array_equal(shared.grads[name], full.grads[name])
+    assert np.abs(full.grads["B"]).sum() > 0  # the comparison is about real gradients
 
 
 def test_fresh_training_client_samples_like_the_base_model(svc, tok):

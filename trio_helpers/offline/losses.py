@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trio_helpers.offline.model import NUM_FEATURES, TinyLM, sequence_rows
+from trio_helpers.offline.model import NUM_FEATURES, TinyLM, sequence_row_blocks
 
 LOSS_CONFIG_KEYS = {
     "cross_entropy": {},
@@ -96,16 +96,30 @@ class ForwardResult:
 def run_batch(model: TinyLM, plan, loss_fn: str, cfg: dict[str, float], auto_shift: bool, backward: bool):
     """Forward (and optionally backward) over every sample of a validated ``TrainingBatchPlan``."""
     samples = [s for chunk in plan.chunks for s in chunk.samples]
-    keys_list, rows_of, tgt, old, adv, w, active, valid_list = [], [], [], [], [], [], [], []
-    offset = 0
+    rows_of, tgt, old, adv, w, active, valid_list = [], [], [], [], [], [], []
+    # The forward pass runs over distinct blocks of feature rows: the completions of one sampling request share
+    # their prompt's block (see sequence_row_blocks), computed once; a row's numbers do not depend on which
+    # other rows share the pass, so every logprob and gradient is the same as with every row computed.
+    blocks: list[np.ndarray] = []
+    block_start: dict[int, int] = {}  # id(block) -> its first row in the pass
+    n_rows = 0
     for s in samples:
         tokens = s.model_input.to_ints()
-        keys = sequence_rows(tokens)
+        where = []
+        for block in sequence_row_blocks(tokens):
+            first = block_start.get(id(block))
+            if first is None:
+                first = block_start[id(block)] = n_rows
+                blocks.append(block)
+                n_rows += len(block)
+            where.append(np.arange(first, first + len(block)))
+        row_of_position = np.concatenate(where)
         T = len(tokens)
         target = np.asarray(s.target_tokens, dtype=np.int64)
         start = 1 if auto_shift else 0
-        # with auto_shift the label at position i is predicted from the context ending at i - 1
-        pred_rows = np.arange(T) - start + offset
+        # with auto_shift the label at position i is predicted from the context ending at i - 1 (position 0 has
+        # no label: it reads row 0, masked out below)
+        pred_rows = row_of_position[np.maximum(np.arange(T) - start, 0)]
         mask = np.arange(T) >= start
         mask &= target != -100
         valid_list.append(mask.copy())
@@ -114,17 +128,15 @@ def run_batch(model: TinyLM, plan, loss_fn: str, cfg: dict[str, float], auto_shi
             mask &= weights != 0.0
         else:
             weights = np.ones(T)
-        keys_list.append(keys)
         rows_of.append(pred_rows)
         tgt.append(np.where(target == -100, 0, target))
         w.append(weights)
         old.append(np.asarray(getattr(s, "logprobs", np.zeros(T)), dtype=np.float64))
         adv.append(np.asarray(getattr(s, "advantages", np.zeros(T)), dtype=np.float64))
         active.append(mask)
-        offset += T
-    keys = np.concatenate(keys_list)
+    keys = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
     h, shifted, norm = model.log_softmax_parts(keys)  # log_softmax = shifted - norm, row by row
-    rows = np.clip(np.concatenate(rows_of), 0, None)
+    rows = np.concatenate(rows_of)
     targets = np.concatenate(tgt)
     mask = np.concatenate(active)
     lp = shifted[rows, targets] - norm[rows, 0]

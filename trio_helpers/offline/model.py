@@ -344,10 +344,17 @@ _SAMPLED = FeatureCache(max_items=512)
 def sequence_rows(tokens: list[int]) -> np.ndarray:
     """The feature keys of :func:`sequence_features` (rows only): what the trainer and the logprob scorer
     need, for a sampled completion read from the sampler's own computation."""
+    blocks = sequence_row_blocks(tokens)
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+
+
+def sequence_row_blocks(tokens: list[int]) -> tuple[np.ndarray, ...]:
+    """The rows of :func:`sequence_rows` in consecutive blocks: ``(the prompt's rows, the completion's)`` for a
+    sampled completion, whose prompt block is the same array for every completion of one request (so a caller
+    can compute it once: a row's numbers do not depend on the other rows of a forward pass); one block
+    otherwise."""
     hit = _SAMPLED.get(tuple(tokens))
-    if hit is None:
-        return sequence_features(tokens)[0]
-    return np.concatenate(hit)  # (the prompt's rows, the completion's)
+    return (sequence_features(tokens)[0],) if hit is None else hit
 
 
 def table_rows(keys: np.ndarray, table_size: int) -> np.ndarray:
@@ -486,6 +493,21 @@ def _draw(z: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return choice, s[np.arange(len(z)), choice] - np.log(e.sum(axis=-1))
 
 
+def choose_rows(z: np.ndarray, u: np.ndarray | None, temperature: float, top_k: int,
+                top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's draw for every row of logits ``z``: the tokens and their reported logprobs (see
+    :class:`SampleJob`), row by row, so rows of different requests with the same settings can be drawn in one
+    call. ``u``: one uniform number per row (``None`` for greedy decoding, ``temperature == 0``)."""
+    if temperature == 0:
+        choice = z.argmax(axis=-1)
+        return choice, log_softmax(z)[np.arange(len(z)), choice]
+    if temperature == 1.0 and top_k <= 0 and top_p >= 1.0:  # the model's own distribution
+        return _draw(z, u)
+    q = _sampling_distribution(z, temperature, top_k, top_p)
+    choice = _inverse_cdf(q, u)
+    return choice, np.log(q[np.arange(len(z)), choice])
+
+
 class SampleJob:
     """One sampling request, advanced one token per step, alone or together with other requests.
 
@@ -509,7 +531,6 @@ class SampleJob:
                  stop_token_ids: frozenset[int] = frozenset(), stop_strings: tuple[bytes, ...] = ()) -> None:
         self.model, self.rng, self.max_tokens = model, rng, max_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.plain = temperature == 1.0 and top_k <= 0 and top_p >= 1.0  # q is the model's own distribution
         self.stop_token_ids, self.stop_strings = stop_token_ids, stop_strings
         self.max_stop = max((len(s) for s in stop_strings), default=0)
         self.prompt_rows, ctx0 = sequence_features(prompt)
@@ -541,18 +562,18 @@ class SampleJob:
         _SAMPLED.put(self.prompt + tuple(tokens[:-1]), (self.prompt_rows, rows))
         self.rows[i] = []
 
+    @property
+    def draw_settings(self) -> tuple[float, int, float]:
+        """What decides how a row's token is drawn from its logits (jobs that agree are drawn together)."""
+        return self.temperature, self.top_k, self.top_p
+
+    def random_numbers(self) -> np.ndarray | None:
+        """This step's uniform numbers, one per active row (greedy decoding uses none)."""
+        return None if self.temperature == 0 else self.rng.random(len(self.active))
+
     def choose(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Draw the next token of every active row from logits ``z``."""
-        n = len(self.active)
-        rows = np.arange(n)
-        if self.temperature == 0:
-            choice = z.argmax(axis=-1)
-            return choice, log_softmax(z)[rows, choice]
-        if self.plain:
-            return _draw(z, self.rng.random(n))
-        q = _sampling_distribution(z, self.temperature, self.top_k, self.top_p)
-        choice = _inverse_cdf(q, self.rng.random(n))
-        return choice, np.log(q[rows, choice])
+        return choose_rows(z, self.random_numbers(), *self.draw_settings)
 
     def advance(self, choice: np.ndarray, chosen_lp: np.ndarray) -> None:
         """Append the chosen tokens and retire the sequences that stopped."""
@@ -604,20 +625,20 @@ def step_sample_jobs(jobs: list[SampleJob]) -> None:
             continue
         z = sampler_logits(group[0].model, [k for job in group for k in job.keys()])
         bounds = np.cumsum([0] + [len(job.active) for job in group]).tolist()
-        choice = np.empty(len(z), dtype=np.int64)
-        chosen_lp = np.empty(len(z))
-        plain = [j for j, job in enumerate(group) if job.plain]
-        if plain:  # the common case, drawn for all such jobs at once (each job with its own random numbers)
-            u = np.concatenate([group[j].rng.random(bounds[j + 1] - bounds[j]) for j in plain])
-            if len(plain) == len(group):
-                choice[:], chosen_lp[:] = _draw(z, u)
-            else:
-                rows = np.concatenate([np.arange(bounds[j], bounds[j + 1]) for j in plain])
-                choice[rows], chosen_lp[rows] = _draw(z[rows], u)
+        by_settings: dict[tuple, list[int]] = {}
         for j, job in enumerate(group):
-            if not job.plain:
-                a, b = bounds[j], bounds[j + 1]
-                choice[a:b], chosen_lp[a:b] = job.choose(z[a:b])
+            by_settings.setdefault(job.draw_settings, []).append(j)
+        if len(by_settings) == 1:
+            us = [job.random_numbers() for job in group]
+            choice, chosen_lp = choose_rows(z, None if us[0] is None else np.concatenate(us), *group[0].draw_settings)
+        else:
+            choice = np.empty(len(z), dtype=np.int64)
+            chosen_lp = np.empty(len(z))
+            for settings, members in by_settings.items():  # each job still draws its own random numbers
+                rows = np.concatenate([np.arange(bounds[j], bounds[j + 1]) for j in members])
+                us = [group[j].random_numbers() for j in members]
+                choice[rows], chosen_lp[rows] = choose_rows(z[rows], None if us[0] is None else np.concatenate(us),
+                                                            *settings)
         for j, job in enumerate(group):
             job.advance(choice[bounds[j]:bounds[j + 1]], chosen_lp[bounds[j]:bounds[j + 1]])
 

@@ -573,6 +573,42 @@ def test_trainer_reads_the_samplers_feature_rows_bit_for_bit(svc, tok):
                                       offline_model.sequence_features(tokens)[0])
 
 
+def test_cached_chat_prefixes_give_the_rows_and_context_of_a_fresh_pass(tok):
+    """sequence_features reuses the rows of every cached prefix that ends with a message header (prompts
+    sharing a one-shot example, a prompt and its completions); every row, and the context it returns, is
+    what pushing the tokens one by one through a fresh Context gives, whatever was cached before."""
+    from trio_helpers.offline import model as offline_model
+    from trio_helpers.prompts import build_prompt, gsm8k_messages
+
+    def fresh(tokens):
+        ctx, rows = offline_model.Context(), []
+        for t in tokens:
+            ctx.push(t)
+            rows.append(ctx.features())
+        return np.array(rows, dtype=np.int64).reshape(len(rows), offline_model.KEY_WIDTH), ctx
+
+    a = build_prompt(tok, gsm8k_messages("Ann has 3 apples and buys 4 more. How many now?")).to_ints()
+    b = build_prompt(tok, gsm8k_messages("Bob reads 12 pages a day. How many in 5 days?")).to_ints()
+    assert len(offline_model._header_ends(a)) >= 3 and a[:offline_model._header_ends(a)[-2]] != b[:len(a)]
+    completion = list(b"Ann has 3 + 4 = <<3+4=7>>7 apples. \\boxed{7}") + [IM_END_ID]
+    header = a.index(10)  # a cut inside the first header line (no complete header)
+    cases = [a, b, a + completion, b[:-3], a[:header], [], a]
+    offline_model._CACHE.items.clear()
+    for _ in range(2):  # first with a cold cache, then with every prefix cached
+        for tokens in cases:
+            rows, ctx = offline_model.sequence_features(tokens)
+            want_rows, want_ctx = fresh(tokens)
+            np.testing.assert_array_equal(rows, want_rows)
+            for t in completion[:12]:  # the returned context continues exactly like a fresh one
+                ctx.push(t)
+                want_ctx.push(t)
+                assert ctx.features() == want_ctx.features()
+    ends_at_header = chat_prompt(tok, "Say hi.")  # the whole sequence is a cached prefix: one shared array
+    first = offline_model.sequence_features(ends_at_header)[0]
+    again = offline_model.sequence_features(ends_at_header)[0]
+    assert first is again and not first.flags.writeable
+
+
 @pytest.mark.parametrize("auto_shift", [False, True])
 def test_trainer_computes_a_shared_prompt_once_with_the_same_numbers(svc, tok, auto_shift):
     """The completions of one sampling request share their prompt's feature rows; the trainer runs them through

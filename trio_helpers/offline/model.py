@@ -266,8 +266,7 @@ class Adapter:
 
 @dataclass
 class FeatureCache:
-    """Caches the features and state of chat prefixes (everything up to the last assistant header), so a group of
-    completions of one prompt pays for the prompt once."""
+    """A bounded, thread-safe LRU map from token sequences to what was computed for them."""
 
     max_items: int = 256
     items: OrderedDict = field(default_factory=OrderedDict)
@@ -287,52 +286,58 @@ class FeatureCache:
                 self.items.popitem(last=False)
 
 
-_CACHE = FeatureCache()
+# The feature rows and the context after every chat prefix that ends with a message's header line: prompts share
+# their leading messages (the one-shot example, a system prompt), and a sampling request's completions, a step's
+# datums and later requests for the same prompt share the whole prompt, so each is computed once.
+_CACHE = FeatureCache(max_items=512)
 
 
-def _prefix_end(tokens: list[int]) -> int:
-    """Index just past the header line of the last chat message (0 when the tokens hold no chat header)."""
-    for i in range(len(tokens) - 1, -1, -1):
-        if tokens[i] == IM_START_ID:
-            for j in range(i + 1, len(tokens)):
-                if tokens[j] == NL:
-                    return j + 1
-            return 0
-    return 0
+def _header_ends(tokens: list[int]) -> list[int]:
+    """The positions just past each chat message's header line (``<|im_start|>role\n``), in order."""
+    ends, i, n = [], 0, len(tokens)
+    while True:
+        try:
+            i = tokens.index(IM_START_ID, i)
+            i = tokens.index(NL, i + 1) + 1
+        except ValueError:
+            return ends
+        ends.append(i)
 
 
 def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
     """Feature keys for every prediction position of ``tokens``.
 
     Row ``i`` holds the features of the context ``tokens[: i + 1]`` (i.e. for predicting ``tokens[i + 1]``).
+    Features depend on the tokens only, so the rows of a cached prefix (see ``_CACHE``) are the rows recomputing
+    it gives.
 
     Returns:
-        ``(keys, context)``: an int64 array ``[len(tokens), KEY_WIDTH]`` (hashed keys + final-line slot) and the context after
-        the last token (ready to continue sampling).
+        ``(keys, context)``: an int64 array ``[len(tokens), KEY_WIDTH]`` (hashed keys + final-line slot; read-only
+        when it is a cached prefix's) and the context after the last token (ready to continue sampling).
     """
-    split = _prefix_end(tokens)
-    rows: list[list[int]] = []
-    ctx: Context | None = None
-    if split:
-        key = tuple(tokens[:split])
-        hit = _CACHE.get(key)
-        if hit is None:
-            ctx = Context()
-            prefix_rows = []
-            for tok in tokens[:split]:
-                ctx.push(tok)
-                prefix_rows.append(ctx.features())
-            _CACHE.put(key, (prefix_rows, ctx.copy()))
-            rows = list(prefix_rows)
-        else:
-            rows = list(hit[0])
-            ctx = hit[1].copy()
+    tokens = list(tokens)
+    ends = _header_ends(tokens)
+    done, ctx, prefix = 0, None, None
+    for end in reversed(ends):  # the longest cached prefix
+        hit = _CACHE.get(tuple(tokens[:end]))
+        if hit is not None:
+            prefix, ctx, done = hit[0], hit[1].copy(), end
+            break
     if ctx is None:
         ctx = Context()
-    for tok in tokens[split:]:
-        ctx.push(tok)
-        rows.append(ctx.features())
-    return np.array(rows, dtype=np.int64).reshape(len(rows), KEY_WIDTH), ctx
+    for stop in [e for e in ends if e > done] + [len(tokens)]:
+        rows = []
+        for tok in tokens[done:stop]:
+            ctx.push(tok)
+            rows.append(ctx.features())
+        if rows or prefix is None:
+            new = np.array(rows, dtype=np.int64).reshape(len(rows), KEY_WIDTH)
+            prefix = new if prefix is None else np.concatenate([prefix, new])
+        if stop in ends and stop > done:
+            prefix.flags.writeable = False
+            _CACHE.put(tuple(tokens[:stop]), (prefix, ctx.copy()))
+        done = stop
+    return prefix, ctx
 
 
 # The feature rows the sampler computed for each completion it returned, keyed by the token sequence they

@@ -573,6 +573,28 @@ def test_trainer_reads_the_samplers_feature_rows_bit_for_bit(svc, tok):
                                       offline_model.sequence_features(tokens)[0])
 
 
+def test_inverse_cdf_picks_the_first_token_past_u_of_the_mass_and_never_a_zero_one():
+    """The sampler's draw equals the textbook inverse CDF (the number of cumulative sums below u * total) on
+    rows with truncated (zero) tokens anywhere, and at u = 0 picks the first token with probability."""
+    from trio_helpers.offline.model import _inverse_cdf
+
+    rng = np.random.default_rng(0)
+    q = rng.random((400, VOCAB_SIZE)) ** 8
+    q[rng.random(q.shape) < 0.5] = 0.0  # top-k / top-p leave zeros, also first and last
+    q[::7, :3] = 0.0
+    q[::5, -3:] = 0.0
+    u = rng.random(len(q))
+    u[::11] = 0.0
+    cdf = np.cumsum(q, axis=-1)
+    textbook = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), VOCAB_SIZE - 1)
+    choice = _inverse_cdf(q, u)
+    rows = np.arange(len(q))
+    assert (q[rows, choice] > 0).all()
+    np.testing.assert_array_equal(choice[u > 0], textbook[u > 0])
+    first_nonzero = (q > 0).argmax(axis=-1)
+    np.testing.assert_array_equal(choice[u == 0], first_nonzero[u == 0])
+
+
 def test_cached_chat_prefixes_give_the_rows_and_context_of_a_fresh_pass(tok):
     """sequence_features reuses the rows of every cached prefix that ends with a message header (prompts
     sharing a one-shot example, a prompt and its completions); every row, and the context it returns, is

@@ -412,13 +412,16 @@ class TinyLM:
         if n % 2:
             keys = np.concatenate([keys, keys[-1:]])
         h = self.hidden(keys)
-        z = h @ self.base.W + self.base.b
+        z = h @ self.base.W
+        z += self.base.b
         if self.adapter is not None:
             a = self.adapter
-            z = z + a.scale * ((h @ a.A) @ a.B)
+            delta = (h @ a.A) @ a.B
+            delta *= a.scale
+            z += delta
             slots = keys[:, NUM_FEATURES]
             if slots.any():  # C[0] is zero: adding it would change no logit
-                z = z + a.c_scale * a.C[slots]
+                z += a.c_scale * a.C[slots]
         return h[:n], z[:n]
 
     def logprobs_all(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -477,13 +480,13 @@ def _sampling_distribution(z: np.ndarray, temperature: float, top_k: int, top_p:
 def _inverse_cdf(q: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Per row, the token whose cumulative probability first exceeds ``u`` (in [0, 1)) of the row's mass."""
     cdf = np.cumsum(q, axis=-1)
-    choice = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), q.shape[-1] - 1)
-    # never pick a zero-probability token because of rounding in the cumulative sum
-    for j in np.flatnonzero(q[np.arange(len(q)), choice] == 0.0):
-        c = choice[j]
-        while q[j, c] == 0.0:
-            c -= 1
-        choice[j] = c
+    x = u * cdf[:, -1]
+    # cdf is non-decreasing and x <= cdf[:, -1] (u < 1), so the first entry >= x is the first one that exceeds
+    # the fraction u of the mass; it has probability 0 only where x == 0 (a row whose first tokens have none)
+    choice = (cdf >= x[:, None]).argmax(axis=-1)
+    if not x.all():  # never pick a zero-probability token
+        for j in np.flatnonzero(q[np.arange(len(q)), choice] == 0.0):
+            choice[j] = np.flatnonzero(q[j])[0]
     return choice
 
 

@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_book.py --serial      # the same with TEST_ARGS= (no parallel workers: the "before")
     python benchmarks/bench_book.py --all         # the whole of make test (unit tests too), not just notebooks/
     python benchmarks/bench_book.py notebooks/05_grpo_async.ipynb   # some notebooks only
+    python benchmarks/bench_book.py --workers 2,3 --repeats 2   # worker counts compared, runs interleaved
 
 What runs: the pytest command of ``make test``, taken from ``make -n test`` (so its environment and its
 ``TEST_ARGS`` are exactly the Makefile's; strict nbval and the sanitize file come from pyproject.toml's
@@ -104,13 +105,22 @@ _FAILED: list[str] = []
 
 
 # -------------------------------------------------------------------------------------------------- the runner
-def make_test_command(serial: bool = False) -> str:
-    """The shell command ``make test`` runs (``make -n test``), with ``TEST_ARGS`` emptied for ``serial``.
+def make_test_command(serial: bool = False, workers: int | None = None) -> str:
+    """The shell command ``make test`` runs (``make -n test``), with ``TEST_ARGS`` emptied for ``serial``, or
+    with its ``-n`` (pytest-xdist workers) replaced by ``workers``.
 
     Raises:
         RuntimeError: make prints no pytest command, or wants to rebuild the venv first (run ``make venv``).
     """
     command = ["make", "-n", "-s", "--no-print-directory", "test"] + (["TEST_ARGS="] if serial else [])
+    if workers is not None:
+        echo = ["make", "-s", "--no-print-directory", "--eval=print-test-args:; @printf '%s\\n' $(TEST_ARGS)",
+                "print-test-args"]  # (echo would take TEST_ARGS's -n for its own option)
+        args = shlex.split(subprocess.run(echo, cwd=REPO, capture_output=True, text=True, check=True).stdout)
+        if "-n" not in args:
+            raise RuntimeError(f"the Makefile's TEST_ARGS ({' '.join(args)}) set no -n to replace")
+        args[args.index("-n") + 1] = str(workers)
+        command.append("TEST_ARGS=" + " ".join(args))
     lines = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
     lines = [line.strip() for line in lines if line.strip()]
     if not lines or " -m pytest" not in lines[-1]:
@@ -156,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="time the whole of make test, not only notebooks/")
     ap.add_argument("--cells", type=int, default=5, help="also list the N slowest cells (default 5; 0: none)")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds allowed (default {BUDGET_S:g})")
+    ap.add_argument("--workers", help="compare pytest-xdist worker counts, e.g. 2,3: each count's runs "
+                                      "interleaved with the others' (--repeats rounds), a line per run, ratios")
     args = ap.parse_args(argv)
+    if args.workers:
+        return compare_workers([int(n) for n in args.workers.split(",")], [] if args.all else args.paths,
+                               max(1, args.repeats))
 
     command = make_test_command(serial=args.serial)
     paths = [] if args.all else args.paths
@@ -210,6 +225,28 @@ def main(argv: list[str] | None = None) -> int:
     if not within:
         return 1
     return 2 if failed_files or status not in (0,) else 0
+
+
+def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
+    """Run the notebooks with each worker count in turn, ``rounds`` times (interleaved, so a machine that gets
+    busier or quieter affects every count alike); print each run and each count's best wall time relative to
+    the first count's."""
+    commands = {n: make_test_command(workers=n) for n in counts}
+    best: dict[int, float] = {}
+    failed = False
+    print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} with -n " + ", ".join(map(str, counts))
+          + f", {rounds} interleaved rounds")
+    for r in range(rounds):
+        for n, command in commands.items():
+            wall, cpu, status, _, tail = run_once(paths, command)
+            failed |= status != 0
+            best[n] = min(best.get(n, wall), wall)
+            print(f"round {r + 1}  -n {n}: wall {wall:6.1f} s  cpu {cpu:6.1f} s  exit {status}  "
+                  f"{tail.splitlines()[-1] if tail else ''}")
+    first = counts[0]
+    print("best wall: " + "; ".join(f"-n {n} {best[n]:.1f} s ({best[n] / best[first]:.2f} x -n {first})"
+                                    for n in counts))
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

@@ -294,7 +294,7 @@ _CACHE = FeatureCache(max_items=512)
 
 def _header_ends(tokens: list[int]) -> list[int]:
     """The positions just past each chat message's header line (``<|im_start|>role\n``), in order."""
-    ends, i, n = [], 0, len(tokens)
+    ends, i = [], 0
     while True:
         try:
             i = tokens.index(IM_START_ID, i)
@@ -325,7 +325,8 @@ def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
             break
     if ctx is None:
         ctx = Context()
-    for stop in [e for e in ends if e > done] + [len(tokens)]:
+    # the rows up to each later header end (cached there), then the rest
+    for stop, cache in [(end, True) for end in ends if end > done] + [(len(tokens), False)]:
         rows = []
         for tok in tokens[done:stop]:
             ctx.push(tok)
@@ -333,7 +334,7 @@ def sequence_features(tokens: list[int]) -> tuple[np.ndarray, Context]:
         if rows or prefix is None:
             new = np.array(rows, dtype=np.int64).reshape(len(rows), KEY_WIDTH)
             prefix = new if prefix is None else np.concatenate([prefix, new])
-        if stop in ends and stop > done:
+        if cache:
             prefix.flags.writeable = False
             _CACHE.put(tuple(tokens[:stop]), (prefix, ctx.copy()))
         done = stop

@@ -637,17 +637,14 @@ def step_sample_jobs(jobs: list[SampleJob]) -> None:
         by_settings: dict[tuple, list[int]] = {}
         for j, job in enumerate(group):
             by_settings.setdefault(job.draw_settings, []).append(j)
-        if len(by_settings) == 1:
-            us = [job.random_numbers() for job in group]
-            choice, chosen_lp = choose_rows(z, None if us[0] is None else np.concatenate(us), *group[0].draw_settings)
-        else:
-            choice = np.empty(len(z), dtype=np.int64)
-            chosen_lp = np.empty(len(z))
-            for settings, members in by_settings.items():  # each job still draws its own random numbers
-                rows = np.concatenate([np.arange(bounds[j], bounds[j + 1]) for j in members])
-                us = [group[j].random_numbers() for j in members]
-                choice[rows], chosen_lp[rows] = choose_rows(z[rows], None if us[0] is None else np.concatenate(us),
-                                                            *settings)
+        choice = np.empty(len(z), dtype=np.int64)
+        chosen_lp = np.empty(len(z))
+        for settings, members in by_settings.items():  # each job still draws its own random numbers
+            rows = slice(None) if len(members) == len(group) else np.concatenate(
+                [np.arange(bounds[j], bounds[j + 1]) for j in members])
+            us = [group[j].random_numbers() for j in members]
+            choice[rows], chosen_lp[rows] = choose_rows(z[rows], None if us[0] is None else np.concatenate(us),
+                                                        *settings)
         for j, job in enumerate(group):
             job.advance(choice[bounds[j]:bounds[j + 1]], chosen_lp[bounds[j]:bounds[j + 1]])
 

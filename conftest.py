@@ -4,10 +4,11 @@ Everything runs on the offline backend: `TRIO_BACKEND=offline` is forced here, b
 any notebook kernel starts; the kernels nbval launches inherit this process's environment. No API key
 is ever set (with a key but no reachable service, pytrio would retry for about fifteen minutes).
 
-Matplotlib: this process renders with Agg (no display needed). The `MPLBACKEND` variable itself is
-removed rather than set, because kernels inherit it: with `MPLBACKEND=Agg` a kernel's `plt.show()`
-displays nothing, so a notebook whose committed outputs contain figures would fail strict nbval. Without
-the variable, ipykernel picks its inline backend, exactly as when `make notebook` executed the chapter.
+Matplotlib: the `MPLBACKEND` variable is removed rather than set to Agg, because kernels inherit it: with
+`MPLBACKEND=Agg` a kernel's `plt.show()` displays nothing, so a notebook whose committed outputs contain
+figures would fail strict nbval. Without the variable, ipykernel picks its inline backend, exactly as when
+`make notebook` executed the chapter. This process does not import matplotlib (that would cost every
+pytest-xdist worker about 0.4 s of CPU); the unit tests that draw select Agg themselves.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import matplotlib
 import pytest
 
 os.environ["TRIO_BACKEND"] = "offline"
@@ -27,7 +27,6 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.pop("MPLBACKEND", None)
-matplotlib.use("Agg")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,8 +62,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Fit (or load from the cache) the offline base models before any test or notebook kernel needs them.
 
     The first use of a fitted model prints a one-time "fitting ..." message; doing it here keeps that message out
-    of notebook outputs, which strict nbval compares.
+    of notebook outputs, which strict nbval compares. With pytest-xdist this runs in the controller before it
+    starts the workers (xdist's own session start runs last), so the workers, which only read the cache, skip it.
     """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     from trio_helpers.offline.fit import ensure_fitted  # fits or loads both models into the disk cache
 
     ensure_fitted()

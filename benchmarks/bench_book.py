@@ -24,10 +24,10 @@ issue 10), the CPU time of every process of the run (a floor for the wall time o
 other processes share it) and the slowest cells. A notebook that fails nbval still counts with its time. Exit
 status 1 if the total is over budget, 2 if it is within budget but a notebook failed.
 
-Before every run a *machine check* times a fixed single-threaded workload (a Python loop and small numpy
-operations, the mix the offline backend computes) in CPU seconds. The machines these benchmarks run on share
-their host: the same code's CPU time varies by 20 % and more from hour to hour, and the check shows how fast the
-machine was during each run, so runs made at different times can be compared.
+Before and after every run a *machine check* times a fixed single-threaded workload (a Python loop and small
+numpy operations, the mix the offline backend computes) in CPU seconds. The machines these benchmarks run on
+share their host: the same code's CPU time varies by 20 % and more from hour to hour (and the check itself
+within minutes), so the two checks are a rough reading of how fast the machine was around each run.
 """
 
 from __future__ import annotations
@@ -197,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     best = None
     load = os.getloadavg()[0]
     for r in range(max(1, args.repeats)):
-        check = machine_check()
+        before = machine_check()
         result = run_once(paths, command)
+        check = f"{before:.2f}/{machine_check():.2f} s"
         if args.repeats > 1:
-            print(f"run {r + 1}: wall {result[0]:.1f} s, CPU {result[1]:.1f} s, machine check {check:.2f} s")
+            print(f"run {r + 1}: wall {result[0]:.1f} s, CPU {result[1]:.1f} s, machine check before/after {check}")
         if best is None or result[0] < best[0]:
             best, best_check = result, check
     wall, cpu, status, result, tail = best
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     what = "make test (unit tests + notebooks)" if args.all else f"{' '.join(paths)} under strict nbval"
     print(f"{what}: {command} {' '.join(paths)}")
     print(f"{os.cpu_count()} cpus, 1-minute load average {load:.1f} before the run; fastest of "
-          f"{max(1, args.repeats)} runs; machine check before it {best_check:.2f} s CPU (a fixed workload: "
+          f"{max(1, args.repeats)} runs; machine check before/after it {best_check} CPU (a fixed workload: "
           f"lower is a faster machine)")
     shown = {k: v for k, v in rows.items() if args.all is False or k.endswith(".ipynb")}
     if args.all:
@@ -261,11 +262,12 @@ def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
           + f", {rounds} interleaved rounds")
     for r in range(rounds):
         for n, command in commands.items():
-            check = machine_check()
+            before = machine_check()
             wall, cpu, status, _, tail = run_once(paths, command)
             failed |= status != 0
             best[n] = min(best.get(n, wall), wall)
-            print(f"round {r + 1}  -n {n}: wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check:.2f} s  exit {status}  "
+            print(f"round {r + 1}  -n {n}: wall {wall:6.1f} s  cpu {cpu:6.1f} s  "
+                  f"check {before:.2f}/{machine_check():.2f} s  exit {status}  "
                   f"{tail.splitlines()[-1] if tail else ''}")
     first = counts[0]
     print("best wall: " + "; ".join(f"-n {n} {best[n]:.1f} s ({best[n] / best[first]:.2f} x -n {first})"

@@ -150,6 +150,13 @@ def machine_check() -> float:
     return time.process_time() - t0
 
 
+def run_checked(paths: list[str], command: str) -> tuple[tuple[float, float, int, dict, str], str]:
+    """:func:`run_once` between two machine checks: its result and ``"before/after s"``."""
+    before = machine_check()
+    result = run_once(paths, command)
+    return result, f"{before:.2f}/{machine_check():.2f} s"
+
+
 def run_once(paths: list[str], command: str) -> tuple[float, float, int, dict, str]:
     """Run ``command`` (make test's pytest line) on ``paths`` once.
 
@@ -197,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     best = None
     load = os.getloadavg()[0]
     for r in range(max(1, args.repeats)):
-        before = machine_check()
-        result = run_once(paths, command)
-        check = f"{before:.2f}/{machine_check():.2f} s"
+        result, check = run_checked(paths, command)
         if args.repeats > 1:
             print(f"run {r + 1}: wall {result[0]:.1f} s, CPU {result[1]:.1f} s, machine check before/after {check}")
         if best is None or result[0] < best[0]:
@@ -262,12 +267,10 @@ def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
           + f", {rounds} interleaved rounds")
     for r in range(rounds):
         for n, command in commands.items():
-            before = machine_check()
-            wall, cpu, status, _, tail = run_once(paths, command)
+            (wall, cpu, status, _, tail), check = run_checked(paths, command)
             failed |= status != 0
             best[n] = min(best.get(n, wall), wall)
-            print(f"round {r + 1}  -n {n}: wall {wall:6.1f} s  cpu {cpu:6.1f} s  "
-                  f"check {before:.2f}/{machine_check():.2f} s  exit {status}  "
+            print(f"round {r + 1}  -n {n}: wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
                   f"{tail.splitlines()[-1] if tail else ''}")
     first = counts[0]
     print("best wall: " + "; ".join(f"-n {n} {best[n]:.1f} s ({best[n] / best[first]:.2f} x -n {first})"

@@ -8,6 +8,7 @@ Usage::
     python benchmarks/bench_book.py --all         # the whole of make test (unit tests too), not just notebooks/
     python benchmarks/bench_book.py notebooks/05_grpo_async.ipynb   # some notebooks only
     python benchmarks/bench_book.py --workers 2,3 --repeats 2   # worker counts compared, runs interleaved
+    python benchmarks/bench_book.py --against --repeats 3       # against the book issue 10 timed, interleaved
 
 What runs: the pytest command of ``make test``, taken from ``make -n test`` (so its environment and its
 ``TEST_ARGS`` are exactly the Makefile's; strict nbval and the sanitize file come from pyproject.toml's
@@ -28,6 +29,19 @@ Before and after every run a *machine check* times a fixed single-threaded workl
 numpy operations, the mix the offline backend computes) in CPU seconds. The machines these benchmarks run on
 share their host: the same code's CPU time varies by 20 % and more from hour to hour (and the check itself
 within minutes), so the two checks are a rough reading of how fast the machine was around each run.
+
+``--against [REV]`` measures the book relative to another commit's book (default ``REFERENCE_REV``, the end of
+round 1: the seven-chapter book that issue 10 timed at "about 64 s", ``REFERENCE_S``, when it set the 60-s bar).
+The other commit's tree is exported with ``git archive`` into a temporary directory, its offline models are fitted
+or loaded from the shared cache first (not timed), and then the two books run in turn, ``--repeats`` rounds, with
+the same pytest command (this Makefile's ``make test`` line, so the same xdist workers) and the same environment
+(one BLAS thread), each tree with its own conftest, pyproject options and committed outputs. A round's two runs are
+back to back, so a slow stretch of the host tends to slow both (it also drifts within minutes: hence several rounds
+and medians): each round prints the ratios of wall and of CPU times, and the summary scales the issue's 64 s by the
+larger of the two medians (PASS if that is within the budget). Round 1 ran its notebooks serially (its ``make
+test`` had no workers); running the reference on the same workers makes it faster than it was, so the ratio errs
+against this book. Cells of the older book may fail on their last digits (it was executed before the book fixed one
+BLAS thread); they still run, so their time counts.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ import json
 import os
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +63,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 60.0
+# The book issue 10 timed when it set the budget (the last commit of round 1: chapters 01-07), and that time.
+REFERENCE_REV = "06f894a"
+REFERENCE_S = 64.0
 
 
 # ------------------------------------------------------------------------------ pytest plugin (``-p bench_book``)
@@ -150,15 +168,17 @@ def machine_check() -> float:
     return time.process_time() - t0
 
 
-def run_checked(paths: list[str], command: str) -> tuple[tuple[float, float, int, dict, str], str]:
+def run_checked(paths: list[str], command: str, tree: Path = REPO) -> tuple[tuple[float, float, int, dict, str],
+                                                                          str]:
     """:func:`run_once` between two machine checks: its result and ``"before/after s"``."""
     before = machine_check()
-    result = run_once(paths, command)
+    result = run_once(paths, command, tree)
     return result, f"{before:.2f}/{machine_check():.2f} s"
 
 
-def run_once(paths: list[str], command: str) -> tuple[float, float, int, dict, str]:
-    """Run ``command`` (make test's pytest line) on ``paths`` once.
+def run_once(paths: list[str], command: str, tree: Path = REPO) -> tuple[float, float, int, dict, str]:
+    """Run ``command`` (make test's pytest line) on ``paths`` once, in ``tree`` (a checkout of the book: its
+    ``trio_helpers`` first on the path of pytest and of every kernel).
 
     Returns:
         (wall seconds, CPU seconds of every process of the run (pytest, its workers and kernels), exit status,
@@ -166,12 +186,12 @@ def run_once(paths: list[str], command: str) -> tuple[float, float, int, dict, s
     """
     with tempfile.TemporaryDirectory(prefix="bench_book_") as tmp:
         out = Path(tmp) / "rows.json"
-        env = {**os.environ, "BENCH_BOOK_OUT": str(out),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+        path = [str(REPO / "benchmarks")] + ([str(tree)] if tree != REPO else []) + [os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "BENCH_BOOK_OUT": str(out), "PYTHONPATH": os.pathsep.join(path)}
         full = f"{command} -p bench_book -q {' '.join(shlex.quote(p) for p in paths)}"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        proc = subprocess.run(["bash", "-c", full], cwd=REPO, env=env, capture_output=True, text=True)
+        proc = subprocess.run(["bash", "-c", full], cwd=tree, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -194,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds allowed (default {BUDGET_S:g})")
     ap.add_argument("--workers", help="compare pytest-xdist worker counts, e.g. 2,3: each count's runs "
                                       "interleaved with the others' (--repeats rounds), a line per run, ratios")
+    ap.add_argument("--against", nargs="?", const=REFERENCE_REV, metavar="REV",
+                    help=f"time another commit's book and this one in turn (--repeats rounds) and print the ratios "
+                         f"(default REV {REFERENCE_REV}: the book issue 10 timed at about {REFERENCE_S:g} s)")
     args = ap.parse_args(argv)
+    if args.against:
+        return compare_against(args.against, [] if args.all else args.paths, max(1, args.repeats), args.budget)
     if args.workers:
         return compare_workers([int(n) for n in args.workers.split(",")], [] if args.all else args.paths,
                                max(1, args.repeats))
@@ -276,6 +301,60 @@ def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
     print("best wall: " + "; ".join(f"-n {n} {best[n]:.1f} s ({best[n] / best[first]:.2f} x -n {first})"
                                     for n in counts))
     return 2 if failed else 0
+
+
+def export_tree(rev: str, into: Path) -> Path:
+    """The tracked files of commit ``rev`` in ``into`` (``git archive``: no worktree is registered)."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> int:
+    """This book against commit ``rev``'s, in turn, ``rounds`` times: a line per run and per round's ratio, then
+    the median ratio and, for the default reference, the issue's 64 s scaled by it."""
+    known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=REPO,
+                           capture_output=True, text=True)
+    if known.returncode != 0:
+        print(f"error: --against {rev}: no such commit in {REPO} (a shallow clone lacks the old ones: "
+              f"git fetch --unshallow)", file=sys.stderr)
+        return 2
+    python = REPO / ".venv" / "bin" / "python"
+    # make test's line names the venv relatively; both trees run the same interpreter
+    command = shlex.join(str(python) if word == ".venv/bin/python" else word
+                         for word in shlex.split(make_test_command()))
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"  # both books alike
+    with tempfile.TemporaryDirectory(prefix="bench_book_ref_") as tmp:
+        ref = export_tree(rev, Path(tmp))
+        env = {**os.environ, "PYTHONPATH": str(ref), "TRIO_BACKEND": "offline"}
+        subprocess.run([str(python), "-c", "from trio_helpers.offline.fit import ensure_fitted; ensure_fitted()"],
+                       cwd=ref, env=env, check=True, capture_output=True)  # fit or load: not timed
+        print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} of {rev} (reference) and of this tree, "
+              f"in turn, {rounds} rounds; each: {command} {' '.join(paths)}")
+        ratios, cpu_ratios, failed = [], [], False
+        for r in range(rounds):
+            walls, cpus = {}, {}
+            for name, tree in (("reference", ref), ("this book", REPO)):
+                (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
+                walls[name], cpus[name] = wall, cpu
+                failed |= name == "this book" and status != 0
+                print(f"round {r + 1}  {name:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
+                      f"{tail.splitlines()[-1] if tail else ''}")
+            ratios.append(walls["this book"] / walls["reference"])
+            cpu_ratios.append(cpus["this book"] / cpus["reference"])
+            print(f"round {r + 1}  this book / reference: wall {ratios[-1]:.2f}, cpu {cpu_ratios[-1]:.2f}")
+    wall_ratio, cpu_ratio = statistics.median(ratios), statistics.median(cpu_ratios)
+    print(f"this book / reference: wall median {wall_ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}), "
+          f"cpu median {cpu_ratio:.2f} (range {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})")
+    if rev != REFERENCE_REV or paths != ["notebooks"]:
+        return 2 if failed else 0
+    # The larger of the two ratios decides: the CPU ratio does not depend on how the files fell on the workers.
+    scaled = max(wall_ratio, cpu_ratio) * REFERENCE_S
+    print(f"issue 10 timed the reference at about {REFERENCE_S:g} s; at the larger median ratio this book would take "
+          f"{scaled:.1f} s there; budget {budget:g} s: {'PASS' if scaled <= budget else 'FAIL'}")
+    if failed:
+        return 2
+    return 0 if scaled <= budget else 1
 
 
 if __name__ == "__main__":

@@ -281,26 +281,32 @@ def main(argv: list[str] | None = None) -> int:
     return 2 if failed_files or status not in (0,) else 0
 
 
+def interleaved(paths: list[str], variants: dict[str, tuple[str, Path]], rounds: int) -> list[dict]:
+    """Run every variant (label -> (command, tree)) once per round, in turn, so that a machine that gets busier or
+    quieter affects them alike; print a line per run. Returns each round's ``{label: (wall, cpu, exit status)}``."""
+    results = []
+    for r in range(rounds):
+        row = {}
+        for label, (command, tree) in variants.items():
+            (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
+            row[label] = (wall, cpu, status)
+            print(f"round {r + 1}  {label:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
+                  f"{tail.splitlines()[-1] if tail else ''}")
+        results.append(row)
+    return results
+
+
 def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
-    """Run the notebooks with each worker count in turn, ``rounds`` times (interleaved, so a machine that gets
-    busier or quieter affects every count alike); print each run and each count's best wall time relative to
-    the first count's."""
-    commands = {n: make_test_command(workers=n) for n in counts}
-    best: dict[int, float] = {}
-    failed = False
+    """Run the notebooks with each worker count in turn, ``rounds`` times; print each run and each count's best
+    wall time relative to the first count's."""
     print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} with -n " + ", ".join(map(str, counts))
           + f", {rounds} interleaved rounds")
-    for r in range(rounds):
-        for n, command in commands.items():
-            (wall, cpu, status, _, tail), check = run_checked(paths, command)
-            failed |= status != 0
-            best[n] = min(best.get(n, wall), wall)
-            print(f"round {r + 1}  -n {n}: wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
-                  f"{tail.splitlines()[-1] if tail else ''}")
-    first = counts[0]
-    print("best wall: " + "; ".join(f"-n {n} {best[n]:.1f} s ({best[n] / best[first]:.2f} x -n {first})"
-                                    for n in counts))
-    return 2 if failed else 0
+    results = interleaved(paths, {f"-n {n}": (make_test_command(workers=n), REPO) for n in counts}, rounds)
+    best = {label: min(row[label][0] for row in results) for label in results[0]}
+    first = f"-n {counts[0]}"
+    print("best wall: " + "; ".join(f"{label} {wall:.1f} s ({wall / best[first]:.2f} x {first})"
+                                    for label, wall in best.items()))
+    return 2 if any(status != 0 for row in results for _, _, status in row.values()) else 0
 
 
 def export_tree(rev: str, into: Path) -> Path:
@@ -331,18 +337,12 @@ def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> i
                        cwd=ref, env=env, check=True, capture_output=True)  # fit or load: not timed
         print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} of {rev} (reference) and of this tree, "
               f"in turn, {rounds} rounds; each: {command} {' '.join(paths)}")
-        ratios, cpu_ratios, failed = [], [], False
-        for r in range(rounds):
-            walls, cpus = {}, {}
-            for name, tree in (("reference", ref), ("this book", REPO)):
-                (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
-                walls[name], cpus[name] = wall, cpu
-                failed |= name == "this book" and status != 0
-                print(f"round {r + 1}  {name:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
-                      f"{tail.splitlines()[-1] if tail else ''}")
-            ratios.append(walls["this book"] / walls["reference"])
-            cpu_ratios.append(cpus["this book"] / cpus["reference"])
-            print(f"round {r + 1}  this book / reference: wall {ratios[-1]:.2f}, cpu {cpu_ratios[-1]:.2f}")
+        results = interleaved(paths, {"reference": (command, ref), "this book": (command, REPO)}, rounds)
+    ratios = [row["this book"][0] / row["reference"][0] for row in results]
+    cpu_ratios = [row["this book"][1] / row["reference"][1] for row in results]
+    for r, (wall, cpu) in enumerate(zip(ratios, cpu_ratios)):
+        print(f"round {r + 1}  this book / reference: wall {wall:.2f}, cpu {cpu:.2f}")
+    failed = any(row["this book"][2] != 0 for row in results)
     wall_ratio, cpu_ratio = statistics.median(ratios), statistics.median(cpu_ratios)
     print(f"this book / reference: wall median {wall_ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}), "
           f"cpu median {cpu_ratio:.2f} (range {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})")

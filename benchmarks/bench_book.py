@@ -30,7 +30,7 @@ numpy operations, the mix the offline backend computes) in CPU seconds. The mach
 share their host: the same code's CPU time varies by 20 % and more from hour to hour (and the check itself
 within minutes), so the two checks are a rough reading of how fast the machine was around each run.
 
-``--against [REV]`` measures the book relative to another commit's book (default ``REFERENCE_REV``, the end of
+``--against`` measures the book relative to another commit's book (``--rev``, default ``REFERENCE_REV``, the end of
 round 1: the seven-chapter book that issue 10 timed at "about 64 s", ``REFERENCE_S``, when it set the 60-s bar).
 The other commit's tree is exported with ``git archive`` into a temporary directory, its offline models are fitted
 or loaded from the shared cache first (not timed), and then the two books run in turn, ``--repeats`` rounds, with
@@ -41,7 +41,8 @@ and medians): each round prints the ratios of wall and of CPU times, and the sum
 larger of the two medians (PASS if that is within the budget). Round 1 ran its notebooks serially (its ``make
 test`` had no workers); running the reference on the same workers makes it faster than it was, so the ratio errs
 against this book. Cells of the older book may fail on their last digits (it was executed before the book fixed one
-BLAS thread); they still run, so their time counts.
+BLAS thread); they still run, so their time counts. A round in which either run reports errors (items that could
+not run, such as a kernel that did not start) is left out of the medians.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shlex
 import statistics
@@ -66,6 +68,7 @@ BUDGET_S = 60.0
 # The book issue 10 timed when it set the budget (the last commit of round 1: chapters 01-07), and that time.
 REFERENCE_REV = "06f894a"
 REFERENCE_S = 64.0
+_ERRORS = re.compile(r"\b\d+ errors?\b")  # in pytest's summary line: items that could not run
 
 
 # ------------------------------------------------------------------------------ pytest plugin (``-p bench_book``)
@@ -214,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds allowed (default {BUDGET_S:g})")
     ap.add_argument("--workers", help="compare pytest-xdist worker counts, e.g. 2,3: each count's runs "
                                       "interleaved with the others' (--repeats rounds), a line per run, ratios")
-    ap.add_argument("--against", nargs="?", const=REFERENCE_REV, metavar="REV",
-                    help=f"time another commit's book and this one in turn (--repeats rounds) and print the ratios "
-                         f"(default REV {REFERENCE_REV}: the book issue 10 timed at about {REFERENCE_S:g} s)")
+    ap.add_argument("--against", action="store_true",
+                    help="time another commit's book (--rev) and this one in turn, --repeats rounds, with ratios")
+    ap.add_argument("--rev", default=REFERENCE_REV,
+                    help=f"the commit --against compares with (default {REFERENCE_REV}: the book issue 10 timed at "
+                         f"about {REFERENCE_S:g} s)")
     args = ap.parse_args(argv)
     if args.against:
-        return compare_against(args.against, [] if args.all else args.paths, max(1, args.repeats), args.budget)
+        return compare_against(args.rev, [] if args.all else args.paths, max(1, args.repeats), args.budget)
     if args.workers:
         return compare_workers([int(n) for n in args.workers.split(",")], [] if args.all else args.paths,
                                max(1, args.repeats))
@@ -283,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def interleaved(paths: list[str], variants: dict[str, tuple[str, Path]], rounds: int) -> list[dict]:
     """Run every variant (label -> (command, tree)) once per round, in turn, so that a machine that gets busier or
-    quieter affects them alike; print a line per run. Returns each round's ``{label: (wall, cpu, exit status)}``."""
+    quieter affects them alike; print a line per run. Returns each round's ``{label: (wall, cpu, exit status,
+    pytest's last line)}``."""
     results = []
     for r in range(rounds):
         row = {}
         for label, (command, tree) in variants.items():
             (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
-            row[label] = (wall, cpu, status)
+            row[label] = (wall, cpu, status, tail.splitlines()[-1] if tail else "")
             print(f"round {r + 1}  {label:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
                   f"{tail.splitlines()[-1] if tail else ''}")
         results.append(row)
@@ -306,7 +312,7 @@ def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
     first = f"-n {counts[0]}"
     print("best wall: " + "; ".join(f"{label} {wall:.1f} s ({wall / best[first]:.2f} x {first})"
                                     for label, wall in best.items()))
-    return 2 if any(status != 0 for row in results for _, _, status in row.values()) else 0
+    return 2 if any(status != 0 for row in results for _, _, status, _ in row.values()) else 0
 
 
 def export_tree(rev: str, into: Path) -> Path:
@@ -322,7 +328,7 @@ def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> i
     known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=REPO,
                            capture_output=True, text=True)
     if known.returncode != 0:
-        print(f"error: --against {rev}: no such commit in {REPO} (a shallow clone lacks the old ones: "
+        print(f"error: --rev {rev}: no such commit in {REPO} (a shallow clone lacks the old ones: "
               f"git fetch --unshallow)", file=sys.stderr)
         return 2
     python = REPO / ".venv" / "bin" / "python"
@@ -338,11 +344,18 @@ def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> i
         print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} of {rev} (reference) and of this tree, "
               f"in turn, {rounds} rounds; each: {command} {' '.join(paths)}")
         results = interleaved(paths, {"reference": (command, ref), "this book": (command, REPO)}, rounds)
-    ratios = [row["this book"][0] / row["reference"][0] for row in results]
-    cpu_ratios = [row["this book"][1] / row["reference"][1] for row in results]
-    for r, (wall, cpu) in enumerate(zip(ratios, cpu_ratios)):
-        print(f"round {r + 1}  this book / reference: wall {wall:.2f}, cpu {cpu:.2f}")
+    # A run with errors (a kernel that did not start, say) did not run every cell: its round says nothing.
+    valid = [row for row in results if not any(_ERRORS.search(tail) for *_, tail in row.values())]
+    ratios = [row["this book"][0] / row["reference"][0] for row in valid]
+    cpu_ratios = [row["this book"][1] / row["reference"][1] for row in valid]
+    for r, row in enumerate(results):
+        (wall, cpu, *_), (ref_wall, ref_cpu, *_) = row["this book"], row["reference"]
+        verdict = f"wall {wall / ref_wall:.2f}, cpu {cpu / ref_cpu:.2f}" if row in valid else "left out (errors)"
+        print(f"round {r + 1}  this book / reference: {verdict}")
     failed = any(row["this book"][2] != 0 for row in results)
+    if not valid:
+        print("no round without errors: no ratio")
+        return 2
     wall_ratio, cpu_ratio = statistics.median(ratios), statistics.median(cpu_ratios)
     print(f"this book / reference: wall median {wall_ratio:.2f} (range {min(ratios):.2f}-{max(ratios):.2f}), "
           f"cpu median {cpu_ratio:.2f} (range {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})")

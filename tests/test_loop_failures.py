@@ -377,12 +377,19 @@ class RecipeDoneWhen:
 
     def test_ctrl_c_exits_130_in_one_line_and_the_printed_resume_completes_the_run(self, clean, recipe_home,
                                                                                    tmp_path, monkeypatch) -> None:
-        """A real SIGINT to ``python -m`` (the only place where the process boundary matters)."""
+        """A real SIGINT to ``python -m`` (the only place where the process boundary matters).
+
+        Python turns SIGINT into KeyboardInterrupt only if the signal was not ignored when it started, and a
+        command started in the background by a non-interactive shell (``make test &``, ``nohup``) inherits
+        SIGINT ignored. The child therefore restores the default disposition, as in a terminal, and then execs
+        the recipe's ``python -m``."""
         rows, fingerprint, _ = clean(self.sigint_mode)
         argv = [*self.flags(self.sigint_mode), "--run-dir", str(tmp_path / "run"), "--latency", "0.05"]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIO_OFFLINE_HOME": str(recipe_home)}
-        process = subprocess.Popen([sys.executable, "-m", self.recipe.module.__name__, *argv], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        as_in_a_terminal = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+        process = subprocess.Popen([sys.executable, "-c", as_in_a_terminal, "-m", self.recipe.module.__name__,
+                                    *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
         try:
             while not (metrics.exists() and metrics.read_text().count("\n") >= 2):

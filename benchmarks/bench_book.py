@@ -33,16 +33,16 @@ within minutes), so the two checks are a rough reading of how fast the machine w
 ``--against`` measures the book relative to another commit's book (``--rev``, default ``REFERENCE_REV``, the end of
 round 1: the seven-chapter book that issue 10 timed at "about 64 s", ``REFERENCE_S``, when it set the 60-s bar).
 The other commit's tree is exported with ``git archive`` into a temporary directory, its offline models are fitted
-or loaded from the shared cache first (not timed), and then the two books run in turn, ``--repeats`` rounds, with
-the same pytest command (this Makefile's ``make test`` line, so the same xdist workers) and the same environment
-(one BLAS thread), each tree with its own conftest, pyproject options and committed outputs. A round's two runs are
-back to back, so a slow stretch of the host tends to slow both (it also drifts within minutes: hence several rounds
-and medians): each round prints the ratios of wall and of CPU times, and the summary scales the issue's 64 s by the
-larger of the two medians (PASS if that is within the budget). Round 1 ran its notebooks serially (its ``make
-test`` had no workers); running the reference on the same workers makes it faster than it was, so the ratio errs
-against this book. Cells of the older book may fail on their last digits (it was executed before the book fixed one
-BLAS thread); they still run, so their time counts. A round in which either run reports errors (items that could
-not run, such as a kernel that did not start) is left out of the medians.
+or loaded from the shared cache first (not timed), and then the two books run in turn (every other round the other
+one first), ``--repeats`` rounds, with the same pytest command (this Makefile's ``make test`` line, so the same
+xdist workers) and the same environment (one BLAS thread), each tree with its own conftest, pyproject options and
+committed outputs. A round's two runs are back to back, so a slow stretch of the host tends to slow both (it also
+drifts within minutes: hence several rounds and medians): each round prints the ratios of wall and of CPU times,
+and the summary scales the issue's 64 s by the larger of the two medians (PASS if that is within the budget). Round
+1 ran its notebooks serially (its ``make test`` had no workers); running the reference on the same workers makes it
+faster than it was, so the ratio errs against this book. Cells of the older book may fail on their last digits (it
+was executed before the book fixed one BLAS thread); they still run, so their time counts. A round in which either
+run reports errors (items that could not run, such as a kernel that did not start) is left out of the medians.
 """
 
 from __future__ import annotations
@@ -288,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def interleaved(paths: list[str], variants: dict[str, tuple[str, Path]], rounds: int) -> list[dict]:
     """Run every variant (label -> (command, tree)) once per round, in turn, so that a machine that gets busier or
-    quieter affects them alike; print a line per run. Returns each round's ``{label: (wall, cpu, exit status,
-    pytest's last line)}``."""
+    quieter affects them alike (every other round in the reverse order, so that a steady drift does not always
+    favour the variant that runs first); print a line per run. Returns each round's ``{label: (wall, cpu, exit
+    status, pytest's last line)}``."""
     results = []
     for r in range(rounds):
         row = {}
-        for label, (command, tree) in variants.items():
+        for label, (command, tree) in list(variants.items())[::-1 if r % 2 else 1]:
             (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
             row[label] = (wall, cpu, status, tail.splitlines()[-1] if tail else "")
             print(f"round {r + 1}  {label:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "

@@ -296,9 +296,10 @@ def interleaved(paths: list[str], variants: dict[str, tuple[str, Path]], rounds:
         row = {}
         for label, (command, tree) in list(variants.items())[::-1 if r % 2 else 1]:
             (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
-            row[label] = (wall, cpu, status, tail.splitlines()[-1] if tail else "")
+            last = tail.splitlines()[-1] if tail else ""
+            row[label] = (wall, cpu, status, last)
             print(f"round {r + 1}  {label:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
-                  f"{tail.splitlines()[-1] if tail else ''}")
+                  f"{last}")
         results.append(row)
     return results
 
@@ -346,15 +347,17 @@ def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> i
               f"in turn, {rounds} rounds; each: {command} {' '.join(paths)}")
         results = interleaved(paths, {"reference": (command, ref), "this book": (command, REPO)}, rounds)
     # A run with errors (a kernel that did not start, say) did not run every cell: its round says nothing.
-    valid = [row for row in results if not any(_ERRORS.search(tail) for *_, tail in row.values())]
-    ratios = [row["this book"][0] / row["reference"][0] for row in valid]
-    cpu_ratios = [row["this book"][1] / row["reference"][1] for row in valid]
+    ratios, cpu_ratios = [], []
     for r, row in enumerate(results):
         (wall, cpu, *_), (ref_wall, ref_cpu, *_) = row["this book"], row["reference"]
-        verdict = f"wall {wall / ref_wall:.2f}, cpu {cpu / ref_cpu:.2f}" if row in valid else "left out (errors)"
-        print(f"round {r + 1}  this book / reference: {verdict}")
+        if any(_ERRORS.search(last) for *_, last in row.values()):
+            print(f"round {r + 1}  this book / reference: left out (errors)")
+            continue
+        ratios.append(wall / ref_wall)
+        cpu_ratios.append(cpu / ref_cpu)
+        print(f"round {r + 1}  this book / reference: wall {ratios[-1]:.2f}, cpu {cpu_ratios[-1]:.2f}")
     failed = any(row["this book"][2] != 0 for row in results)
-    if not valid:
+    if not ratios:
         print("no round without errors: no ratio")
         return 2
     wall_ratio, cpu_ratio = statistics.median(ratios), statistics.median(cpu_ratios)

@@ -19,10 +19,6 @@ from pathlib import Path
 import pytest
 
 os.environ["TRIO_BACKEND"] = "offline"
-# One BLAS thread in every notebook kernel (they inherit this environment): the offline numerics then give the same
-# last digits on any number of cores (a sum split over threads rounds differently), and run no slower on 2 cores.
-os.environ["OPENBLAS_NUM_THREADS"] = "1"
-os.environ["OMP_NUM_THREADS"] = "1"
 # Tests never download models or data sets: make the Hugging Face libraries fail fast instead of retrying.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

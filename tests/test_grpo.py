@@ -247,7 +247,7 @@ def _logprobs_of(sampler, tokens) -> np.ndarray:
 
 
 def test_three_step_run_changes_the_adapter(service, train_records, tmp_path) -> None:
-    config = small(steps=3, batch_size=2, group_size=2, max_tokens=128, run_dir=str(tmp_path / "run"))
+    config = small(steps=3, batch_size=2, group_size=4, max_tokens=128, run_dir=str(tmp_path / "run"))
     result = run_grpo(service, train_records, config, progress=False)
     assert [r["step"] for r in result.history] == [0, 1, 2]
     assert sum(r["train/datums"] for r in result.history) > 0, "no non-degenerate group: nothing was trained"

@@ -436,6 +436,7 @@ def _require_offline(**clients) -> None:
 
 def _exact_kl_of(student_sampler, teacher_sampler, pairs) -> dict[str, float]:
     """Exact per-position reverse KL over ``(prompt_tokens, completion_tokens)`` pairs, split at the final line."""
+    from trio_helpers.offline import exact
     from trio_helpers.offline.model import log_softmax, sequence_rows
 
     tokenizer = student_sampler.get_tokenizer()
@@ -445,7 +446,7 @@ def _exact_kl_of(student_sampler, teacher_sampler, pairs) -> dict[str, float]:
         rows = sequence_rows(tokens[:-1])[len(pt) - 1 :]
         ls = log_softmax(student_sampler._model.forward(rows)[1])
         lt = log_softmax(teacher_sampler._model.forward(rows)[1])
-        kls.append((np.exp(ls) * (ls - lt)).sum(axis=-1))
+        kls.append((exact.exp(ls) * (ls - lt)).sum(axis=-1))
         picked = np.arange(len(ct)), np.asarray(ct)
         sampled.append(ls[picked] - lt[picked])
         mask = np.zeros(len(ct), dtype=bool)

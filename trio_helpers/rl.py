@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trio_helpers.datums import importance_sampling_datum
+from trio_helpers.offline import exact
 
 
 def group_advantages(rewards: Sequence[float], normalize: str = "mean", eps: float = 1e-8) -> np.ndarray:
@@ -80,7 +81,7 @@ def prob_degenerate(p: float, group_size: int) -> float:
         raise ValueError(f"p must be a probability in [0, 1], got {p}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    return p**group_size + (1.0 - p) ** group_size
+    return exact.ipow(p, group_size) + exact.ipow(1.0 - p, group_size)
 
 
 def cosine_lr(step: int, total_steps: int, base_lr: float, min_ratio: float = 0.0) -> float:
@@ -103,7 +104,8 @@ def cosine_lr(step: int, total_steps: int, base_lr: float, min_ratio: float = 0.
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     frac = min(max(step / total_steps, 0.0), 1.0)
-    return base_lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+    # exact.cos, not math.cos: the C library's last bits differ between systems, and the rate moves the weights
+    return base_lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + exact.cos(math.pi * frac)))
 
 
 @dataclass
@@ -257,7 +259,7 @@ def ratio_metrics(data: Sequence, fb_output, loss_fn: str = "importance_sampling
     if not gaps or len(gaps) != len(data):
         return dict.fromkeys(keys, float("nan"))
     gap, adv = np.concatenate(gaps), np.concatenate(advs)
-    ratio = np.exp(gap)
+    ratio = exact.exp(gap)
     clip = float(np.mean(clipped_mask(loss_fn, ratio, adv, loss_fn_config))) if loss_fn in LOSS_CONFIG else 0.0
     return dict(zip(keys, (float(ratio.mean()), float(ratio.max()), float(np.abs(gap).mean()),
                            float(-gap.mean()), clip)))

@@ -21,8 +21,8 @@ to shrink, concentrated on a habit the student can learn: how to write the final
 The models see the solutions of both splits while fitting, as pretrained LLMs have seen benchmark-like text; the
 book says so where it reports accuracies.
 
-Fitting is deterministic (fixed seeds, fixed data order, and always ``FIT_THREADS`` BLAS threads: it runs in a
-subprocess that sets them, because the last bits of a threaded matrix product depend on the thread count) and
+Fitting is deterministic to the bit on any computer (fixed seeds, fixed data order, and the portable arithmetic of
+:mod:`trio_helpers.offline.exact`: whatever the CPU, BLAS kernel or thread count, the same weights come out) and
 uses sparse-row Adam on the embedding table. Weights
 are cached under ``$TRIO_OFFLINE_CACHE`` (default ``~/.cache/trio_helpers/models``) in a file named by a hash of
 everything that determines them (this file, the model code, the model spec and the corpus), so a change to any of
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -44,10 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
-from trio_helpers.offline.model import NUM_FEATURES, BaseWeights, log_softmax, sequence_features, table_rows
+from trio_helpers.offline import exact
+from trio_helpers.offline.model import NUM_FEATURES, BaseWeights, sequence_features, shifted_exp, table_rows, uniform
 from trio_helpers.offline.tokenizer import IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
 
-FIT_VERSION = "fit-v1"
+FIT_VERSION = "fit-v2-exact"
 STYLE_MIX = {
     "student": {"hash": 0.35, "sentence": 0.25, "boxed": 0.40},
     "teacher": {"hash": 0.0, "sentence": 0.0, "boxed": 1.0},
@@ -110,8 +111,8 @@ def _fingerprint(spec) -> str:
     h.update(FIT_VERSION.encode())
     h.update(json.dumps([spec.name, spec.role, spec.dim, spec.table_size, STYLE_MIX[spec.role], EPOCHS[spec.role],
                          COPIES, BATCH_TOKENS, LEARNING_RATE, EMBED_LR_MULT]).encode())
-    # the feature, corpus, fitting, tokenizer and prompt code all shape the fitted weights
-    for source in (model.__file__, corpus.__file__, __file__, tokenizer.__file__, prompts.__file__):
+    # the feature, arithmetic, corpus, fitting, tokenizer and prompt code all shape the fitted weights
+    for source in (model.__file__, exact.__file__, corpus.__file__, __file__, tokenizer.__file__, prompts.__file__):
         h.update(Path(source).read_bytes())
     data_dir = Path(corpus.__file__).parent / "data"
     for f in sorted(data_dir.glob("*.jsonl")):
@@ -175,23 +176,26 @@ def _token_matrix(examples) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fit_base(spec, seed: int = 0, verbose: bool = True, init: BaseWeights | None = None) -> BaseWeights:
-    """Fit ``spec``'s base weights by cross-entropy with sparse-row Adam (deterministic).
+    """Fit ``spec``'s base weights by cross-entropy with sparse-row Adam (deterministic, the same bits on any
+    computer: see :mod:`trio_helpers.offline.exact`).
 
-    Computed in float32 for speed (the fitted weights are then used in float64, an exact conversion).
+    The embedding table stays on the fixed-point grid (each updated row is rounded back to it), so the hidden
+    vector of a token is an exact sum; the products go through ``exact.matmul``; ``exp`` and ``log`` are the
+    module's own; the cosine schedule and Adam's bias corrections use ``exact.cos`` and ``exact.ipow``.
     """
     t0 = time.perf_counter()
     keys, targets = _token_matrix(fitting_examples(spec.role, seed))
     rows = table_rows(keys, spec.table_size)  # (the final-line slot column is not an embedding feature)
-    n, d, f32 = len(targets), spec.dim, np.float32
+    n, d = len(targets), spec.dim
     rng = np.random.default_rng([seed, spec.dim])
     if init is None:
-        E = rng.normal(0.0, 0.01, size=(spec.table_size, d)).astype(f32)
-        W = rng.normal(0.0, 1.0 / np.sqrt(d), size=(d, VOCAB_SIZE)).astype(f32)
-        b = np.zeros(VOCAB_SIZE, dtype=f32)
+        E = exact.on_grid(uniform(rng, (spec.table_size, d), 0.01))
+        W = uniform(rng, (d, VOCAB_SIZE), 1.0 / math.sqrt(d))
+        b = np.zeros(VOCAB_SIZE)
     else:  # continue fitting from another model's weights (the teacher starts from the student)
-        E, W, b = init.E.astype(f32), init.W.astype(f32), init.b.astype(f32)
+        E, W, b = init.E.copy(), init.W.copy(), init.b.copy()
     row_mult = np.where(np.arange(spec.table_size) >= spec.table_size // 2, EMBED_LR_MULT[1], EMBED_LR_MULT[0])
-    row_mult = row_mult.astype(f32)[:, None]
+    row_mult = row_mult[:, None]
     dense = {"W": W, "b": b}
     m = {k: np.zeros_like(v) for k, v in dense.items()}
     v = {k: np.zeros_like(v) for k, v in dense.items()}
@@ -207,23 +211,26 @@ def fit_base(spec, seed: int = 0, verbose: bool = True, init: BaseWeights | None
         for s in range(0, n, BATCH_TOKENS):
             idx = order[s : s + BATCH_TOKENS]
             r, y = rows[idx], targets[idx]
-            h = E[r].sum(axis=1)
-            logp = log_softmax(h @ W + b)
+            h = E[r].sum(axis=1)  # exact: the rows are on the grid
+            z = exact.matmul(h, W)
+            z += b
+            shifted, G = shifted_exp(z)  # log_softmax(z) = shifted - log(sum of G), row by row
+            total = G.sum(axis=1, keepdims=True)
             picked = np.arange(len(y))
-            loss_sum += float(-logp[picked, y].sum())
-            G = np.exp(logp)
+            loss_sum += float((exact.log(total[:, 0]) - shifted[picked, y]).sum())
+            G /= total  # softmax(z)
             G[picked, y] -= 1.0
             G /= len(y)
-            grads = {"W": h.T @ G, "b": G.sum(axis=0)}
-            dh = G @ W.T
+            grads = {"W": exact.matmul(h.T, G), "b": G.sum(axis=0)}
+            dh = exact.matmul(G, W.T)
             # scatter-add dh into the touched embedding rows (bincount over row*d + lane is the fast way)
             uniq, inv = np.unique(r.ravel(), return_inverse=True)
             flat = (inv[:, None] * d + lanes).ravel()
             gE = np.bincount(flat, weights=np.repeat(dh, NUM_FEATURES, axis=0).ravel(),
-                             minlength=len(uniq) * d).reshape(len(uniq), d).astype(f32)
+                             minlength=len(uniq) * d).reshape(len(uniq), d)
             step += 1
-            lr = LEARNING_RATE[spec.role] * 0.5 * (1 + np.cos(np.pi * step / total_steps))  # cosine decay
-            c1, c2 = 1 - beta1**step, 1 - beta2**step
+            lr = LEARNING_RATE[spec.role] * 0.5 * (1 + exact.cos(math.pi * step / total_steps))  # cosine decay
+            c1, c2 = 1 - exact.ipow(beta1, step), 1 - exact.ipow(beta2, step)
             for name, p in dense.items():
                 g = grads[name]
                 m[name] = beta1 * m[name] + (1 - beta1) * g
@@ -232,11 +239,11 @@ def fit_base(spec, seed: int = 0, verbose: bool = True, init: BaseWeights | None
             mu = beta1 * mE[uniq] + (1 - beta1) * gE
             vu = beta2 * vE[uniq] + (1 - beta2) * gE * gE
             mE[uniq], vE[uniq] = mu, vu
-            E[uniq] -= (lr * row_mult[uniq]) * (mu / c1) / (np.sqrt(vu / c2) + eps)
+            E[uniq] = exact.on_grid(E[uniq] - (lr * row_mult[uniq]) * (mu / c1) / (np.sqrt(vu / c2) + eps))
         if verbose:
             print(f"  epoch {epoch + 1}/{epochs}: loss/token {loss_sum / n:.3f} ({time.perf_counter() - t0:.1f}s)",
                   file=sys.stderr)
-    return BaseWeights(E=E.astype(np.float64), W=W.astype(np.float64), b=b.astype(np.float64), name=spec.name)
+    return BaseWeights(E=E, W=W, b=b, name=spec.name)
 
 
 def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
@@ -247,10 +254,7 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
     """
     path = cache_path(spec)
     if not path.exists():
-        if spec in (STUDENT, TEACHER) and os.environ.get(_WORKER_ENV) != str(FIT_THREADS):
-            _fit_in_subprocess(check=True)  # where BLAS has FIT_THREADS threads, whatever this process has
-        else:
-            _fit_and_cache(spec, load_or_fit(STUDENT) if spec.role == "teacher" else None, path)
+        _fit_and_cache(spec, load_or_fit(STUDENT) if spec.role == "teacher" else None, path)
     with np.load(path) as z:
         return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
 
@@ -263,28 +267,6 @@ def cache_path(spec) -> Path:
     return cache_dir() / f"{spec.role}-{fingerprint}.npz"
 
 
-def _fit_in_subprocess(check: bool) -> int:
-    """Run this module's ``__main__`` (fit or load both book models) with BLAS on ``FIT_THREADS`` threads."""
-    return subprocess.run([sys.executable, "-m", "trio_helpers.offline.fit"], check=check,
-                          env={**os.environ, **_fit_env()}).returncode
-
-
-# The last bits of fitted weights depend on how many threads BLAS splits the fitting's matrix products over;
-# the book's outputs were produced with weights fitted on this many (a notebook kernel computes on one thread,
-# see conftest.py). OpenBLAS uses at most one thread per core, so a 1-core machine fits other weights.
-FIT_THREADS = 2
-_WORKER_ENV = "TRIO_OFFLINE_FIT_THREADS"
-# sha256 of the fitted E, W and b (float64 bytes) behind the book's committed outputs; tests/test_offline_fit.py
-# compares. Change them only together with re-executing every chapter (make notebooks).
-BOOK_WEIGHTS = {
-    "student": "e0fa3dcca4bdaeccb541dd93f419f997e100590b59fd038515f7bcabc447c813",
-    "teacher": "2916b542a9ea94877f12bbf25702fe86105765f0e0a6c861da75ceef3f45e901",
-}
-
-
-def _fit_env() -> dict[str, str]:
-    n = str(FIT_THREADS)
-    return {_WORKER_ENV: n, "OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def weights_digest(weights: BaseWeights) -> str:
@@ -294,20 +276,10 @@ def weights_digest(weights: BaseWeights) -> str:
     return h.hexdigest()
 
 
-def _check_digest(spec, weights: BaseWeights) -> None:
-    expected = BOOK_WEIGHTS.get(spec.role)
-    if expected and spec in (STUDENT, TEACHER) and weights_digest(weights) != expected:
-        print(f"trio_helpers offline backend: the fitted {spec.role} model differs in its last bits from the "
-              "one the book's outputs were made with (another BLAS kernel, or fewer than "
-              f"{FIT_THREADS} cores); runs work, but printed numbers may differ from the book's.",
-              file=sys.stderr)
-
-
 def _fit_and_cache(spec, init, path: Path) -> None:
     print(f"trio_helpers offline backend: fitting base model {spec.name!r} on the offline corpus "
           "(first use only; cached afterwards)...", file=sys.stderr)
     weights = fit_base(spec, init=init)
-    _check_digest(spec, weights)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
     np.savez(tmp, E=weights.E, W=weights.W, b=weights.b)
@@ -321,8 +293,6 @@ def ensure_fitted() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get(_WORKER_ENV) != str(FIT_THREADS):  # numpy is imported: re-run with the threads set
-        sys.exit(_fit_in_subprocess(check=False))
     for spec in (STUDENT, TEACHER):
         t = time.perf_counter()
         load_or_fit(spec)

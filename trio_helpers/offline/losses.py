@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trio_helpers.offline import exact
 from trio_helpers.offline.model import NUM_FEATURES, TinyLM, sequence_row_blocks
 
 LOSS_CONFIG_KEYS = {
@@ -69,7 +70,7 @@ def per_token_loss(loss_fn: str, lp, old, adv, w, cfg) -> tuple[np.ndarray, np.n
     """Per-token loss values and their derivative with respect to ``lp`` (elementwise, numpy arrays)."""
     if loss_fn == "cross_entropy":
         return -w * lp, -w
-    r = np.exp(lp - old)
+    r = exact.exp(lp - old)
     if loss_fn == "importance_sampling":
         return -r * adv, -r * adv
     if loss_fn in ("ppo", "cispo"):
@@ -81,7 +82,8 @@ def per_token_loss(loss_fn: str, lp, old, adv, w, cfg) -> tuple[np.ndarray, np.n
         return -clipped * adv * lp, -clipped * adv
     if loss_fn == "dro":
         beta = cfg["beta"]
-        return -(adv * lp - 0.5 * beta * (lp - old) ** 2), -adv + beta * (lp - old)
+        gap = lp - old
+        return -(adv * lp - 0.5 * beta * (gap * gap)), -adv + beta * gap
     raise ValueError(f"unsupported loss {loss_fn!r}")
 
 
@@ -183,8 +185,8 @@ def adamw_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], stat
         m += (1 - hp.beta1) * g
         v *= hp.beta2
         v += (1 - hp.beta2) * g * g
-        m_hat = m / (1 - hp.beta1**t)
-        v_hat = v / (1 - hp.beta2**t)
+        m_hat = m / (1 - exact.ipow(hp.beta1, t))  # (float ** is the C library's pow: not the same bits everywhere)
+        v_hat = v / (1 - exact.ipow(hp.beta2, t))
         if hp.weight_decay:
             p -= hp.learning_rate * hp.weight_decay * p
         p -= hp.learning_rate * m_hat / (np.sqrt(v_hat) + hp.eps)

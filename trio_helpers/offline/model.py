@@ -15,7 +15,10 @@ The model is a *hashed-feature log-bilinear* model over the byte-level vocabular
 so a fresh training client samples exactly like its base model. Training (``forward_backward`` + ``optim_step``)
 changes only ``A`` and ``B``; base weights are fitted once (see :mod:`trio_helpers.offline.fit`) and frozen.
 
-Every gradient here is exact (a finite-difference test checks each loss) and every computation is deterministic.
+Every gradient here is exact (a finite-difference test checks each loss), and every number is the same bits on any
+computer: matrix products, ``exp`` and ``log`` come from :mod:`trio_helpers.offline.exact`, the embedding table lives
+on a fixed-point grid (so a hidden vector's sum is exact) and random initial weights are uniform draws (numpy's normal
+sampler calls the C library's ``exp`` in its rejection step).
 Nothing in this module sees rewards, answers or the caller's intent: a loss only receives per-token advantages,
 weights and old logprobs, like the real trainer.
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trio_helpers.offline import exact
 from trio_helpers.offline.tokenizer import IM_END_ID, IM_START_ID, NUM_BYTES, VOCAB_SIZE
 
 NL = 10
@@ -199,14 +203,26 @@ def _count_numbers(text: bytes) -> int:
     return count
 
 
+def uniform(rng: np.random.Generator, size, std: float) -> np.ndarray:
+    """Uniform draws on ``[-std * sqrt(3), std * sqrt(3)]`` (standard deviation ``std``): random initial weights
+    that are the same bits everywhere (``rng.random`` is integer arithmetic and one exact scaling)."""
+    return (rng.random(size) * 2.0 - 1.0) * (std * math.sqrt(3.0))
+
+
 @dataclass
 class BaseWeights:
-    """The frozen part of a model: embedding table ``E`` (H x d), output matrix ``W`` (d x V), bias ``b`` (V)."""
+    """The frozen part of a model: embedding table ``E`` (H x d), output matrix ``W`` (d x V), bias ``b`` (V).
+
+    ``E`` is kept on the fixed-point grid of :func:`trio_helpers.offline.exact.on_grid`, so the sum of a context's
+    rows is exact in any order."""
 
     E: np.ndarray
     W: np.ndarray
     b: np.ndarray
     name: str = "random"
+
+    def __post_init__(self) -> None:
+        self.E = exact.on_grid(self.E)
 
     @property
     def dim(self) -> int:
@@ -220,8 +236,8 @@ class BaseWeights:
     def random(dim: int, table_size: int, seed: int, name: str = "random") -> "BaseWeights":
         rng = np.random.default_rng(seed)
         return BaseWeights(
-            E=rng.normal(0.0, 0.3, size=(table_size, dim)),
-            W=rng.normal(0.0, 1.0 / math.sqrt(dim), size=(dim, VOCAB_SIZE)),
+            E=uniform(rng, (table_size, dim), 0.3),
+            W=uniform(rng, (dim, VOCAB_SIZE), 1.0 / math.sqrt(dim)),
             b=np.zeros(VOCAB_SIZE),
             name=name,
         )
@@ -250,7 +266,7 @@ class Adapter:
     def fresh(dim: int, rank: int, seed: int, alpha: float, final_row_scale: float) -> "Adapter":
         rng = np.random.default_rng(seed)
         return Adapter(
-            A=rng.normal(0.0, 1.0 / math.sqrt(dim), size=(dim, rank)),
+            A=uniform(rng, (dim, rank), 1.0 / math.sqrt(dim)),
             B=np.zeros((rank, VOCAB_SIZE)),
             C=np.zeros((2, VOCAB_SIZE)),
             scale=alpha / rank,
@@ -380,12 +396,12 @@ def _row_offsets(half: int) -> np.ndarray:
 def shifted_exp(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(s, exp(s))`` with ``s = z - max z`` row by row: ``log_softmax(z) == s - log(sum exp(s))``."""
     s = z - z.max(axis=-1, keepdims=True)
-    return s, np.exp(s)
+    return s, exact.exp(s)
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
     s, e = shifted_exp(z)
-    return s - np.log(e.sum(axis=-1, keepdims=True))
+    return s - exact.log(e.sum(axis=-1, keepdims=True))
 
 
 class TinyLM:
@@ -404,26 +420,22 @@ class TinyLM:
     def forward(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(h, logits)`` for every row of ``keys`` (``[N, KEY_WIDTH]``).
 
-        On one BLAS thread batch-invariant: a row's logits are the same bits whichever rows share the call, so
-        the trainer's logprobs equal the sampler's (a multi-threaded BLAS splits large products by rows: see
-        :func:`sampler_logits`). OpenBLAS computes the last row of an odd row count with another kernel
-        (different in the last bits), so odd batches get one padding row (tests/test_offline_model.py).
+        Batch-invariant by construction: a row's logits are the same bits whichever rows share the call (the
+        products of :func:`trio_helpers.offline.exact.matmul` depend on the row alone), so the trainer's logprobs
+        equal the sampler's.
         """
-        n = len(keys)
-        if n % 2:
-            keys = np.concatenate([keys, keys[-1:]])
         h = self.hidden(keys)
-        z = h @ self.base.W
+        z = exact.matmul(h, self.base.W)
         z += self.base.b
         if self.adapter is not None:
             a = self.adapter
-            delta = (h @ a.A) @ a.B
+            delta = exact.matmul(exact.matmul(h, a.A), a.B)
             delta *= a.scale
             z += delta
             slots = keys[:, NUM_FEATURES]
             if slots.any():  # C[0] is zero: adding it would change no logit
                 z += a.c_scale * a.C[slots]
-        return h[:n], z[:n]
+        return h, z
 
     def logprobs_all(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(h, log_softmax(logits))`` for every row of ``keys``."""
@@ -435,7 +447,7 @@ class TinyLM:
         :meth:`logprobs_all`, for callers that need only some of its entries."""
         h, z = self.forward(keys)
         s, e = shifted_exp(z)
-        return h, s, np.log(e.sum(axis=-1, keepdims=True))
+        return h, s, exact.log(e.sum(axis=-1, keepdims=True))
 
     def adapter_grads(self, h, slots, logp, targets, coef):
         """Gradients of ``L`` with respect to the adapter, given ``coef_i = dL/dlp_i`` for target logprobs ``lp_i``.
@@ -443,14 +455,15 @@ class TinyLM:
         ``dlp_i / dz_i = onehot(target_i) - softmax(z_i)``, so ``dL/dz_i = coef_i * (onehot - p_i)``; then the chain
         rule through ``z = ... + scale * (h A) B + c_scale * C[slot]``.
         """
-        G = -np.exp(logp) * coef[:, None]
+        G = -exact.exp(logp) * coef[:, None]
         G[np.arange(len(targets)), targets] += coef
         a = self.adapter
-        hA = h @ a.A
+        hA = exact.matmul(h, a.A)
         grad_C = np.zeros_like(a.C)
         np.add.at(grad_C, slots, a.c_scale * G)
         grad_C[0] = 0.0  # slot 0 means "no final-line row": it is not a parameter
-        return {"A": a.scale * (h.T @ (G @ a.B.T)), "B": a.scale * (hA.T @ G), "C": grad_C}, G
+        return {"A": a.scale * exact.matmul(h.T, exact.matmul(G, a.B.T)), "B": a.scale * exact.matmul(hA.T, G),
+                "C": grad_C}, G
 
 
 @dataclass
@@ -463,7 +476,7 @@ class Completion:
 def _sampling_distribution(z: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Row-wise probabilities the sampler draws from: softmax(z / T), then top-k, then top-p, renormalised."""
     logq = log_softmax(z / temperature)
-    q = np.exp(logq)
+    q = exact.exp(logq)
     if 0 < top_k < q.shape[-1]:
         kth = -np.partition(-q, top_k - 1, axis=-1)[:, top_k - 1 : top_k]
         q = np.where(q >= kth, q, 0.0)
@@ -499,7 +512,7 @@ def _draw(z: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     s, e = shifted_exp(z)
     choice = _inverse_cdf(e, u)
-    return choice, s[np.arange(len(z)), choice] - np.log(e.sum(axis=-1))
+    return choice, s[np.arange(len(z)), choice] - exact.log(e.sum(axis=-1))
 
 
 def choose_rows(z: np.ndarray, u: np.ndarray | None, temperature: float, top_k: int,
@@ -514,7 +527,7 @@ def choose_rows(z: np.ndarray, u: np.ndarray | None, temperature: float, top_k: 
         return _draw(z, u)
     q = _sampling_distribution(z, temperature, top_k, top_p)
     choice = _inverse_cdf(q, u)
-    return choice, np.log(q[np.arange(len(z)), choice])
+    return choice, exact.log(q[np.arange(len(z)), choice])
 
 
 class SampleJob:
@@ -611,16 +624,6 @@ class SampleJob:
         self.active = still
 
 
-# OpenBLAS computes a matrix product on one thread when it has fewer than 65536 * 4 multiply-adds (its
-# GEMM_MULTITHREAD_THRESHOLD), and a row's bits then depend only on the row; larger products are split over
-# threads by rows, in pieces that depend on the row count. The sampler's forward passes stay below that.
-_ONE_THREAD_MULADDS = 65536 * 4
-
-
-def _sampler_chunk_rows(dim: int) -> int:
-    return max(2, _ONE_THREAD_MULADDS // (dim * VOCAB_SIZE) // 2 * 2)
-
-
 def step_sample_jobs(jobs: list[SampleJob]) -> None:
     """Advance every unfinished job by one token: one forward pass per model over all their active rows."""
     by_model: dict[int, list[SampleJob]] = {}
@@ -650,10 +653,5 @@ def step_sample_jobs(jobs: list[SampleJob]) -> None:
 
 
 def sampler_logits(model: TinyLM, keys) -> np.ndarray:
-    """Logits for the rows ``keys``, batch-invariant whatever BLAS's thread count: in chunks small enough that
-    BLAS computes each on one thread, each padded to an even row count (see :meth:`TinyLM.forward`)."""
-    keys = np.array(keys, dtype=np.int64)
-    chunk = _sampler_chunk_rows(model.base.dim)
-    if len(keys) <= chunk:
-        return model.forward(keys)[1]
-    return np.concatenate([model.forward(keys[i:i + chunk])[1] for i in range(0, len(keys), chunk)])
+    """Logits for the rows ``keys`` (lists of feature keys), as the sampler computes them."""
+    return model.forward(np.array(keys, dtype=np.int64))[1]

@@ -127,6 +127,7 @@ def reverse_kl(trio, student_sampler, teacher_sampler, prompts, seed, max_tokens
     (``sum_v p_s(v) * (log p_s(v) - log p_t(v))``), not a one-sample estimate. Several fixed-seed samples per prompt
     keep the measure from hinging on whether one sample happened to go astray.
     """
+    from trio_helpers.offline import exact
     from trio_helpers.offline.model import log_softmax, sequence_rows
 
     kls = []
@@ -137,7 +138,7 @@ def reverse_kl(trio, student_sampler, teacher_sampler, prompts, seed, max_tokens
             rows = sequence_rows(tokens[:-1])[len(p.to_ints()) - 1 :]
             ls = log_softmax(student_sampler._model.forward(rows)[1])
             lt = log_softmax(teacher_sampler._model.forward(rows)[1])
-            kls.extend((np.exp(ls) * (ls - lt)).sum(axis=-1))
+            kls.extend((exact.exp(ls) * (ls - lt)).sum(axis=-1))
     return float(np.mean(kls))
 
 

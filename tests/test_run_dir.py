@@ -138,7 +138,7 @@ def test_resume_refuses_a_directory_of_another_algorithm(service, tmp_path) -> N
     grpo = _saved_run(service, tmp_path, "g")
     opd = make_config("opd", steps=3, save_every=1, run_dir=grpo.run_dir)
     before, created = snapshot(tmp_path / "g"), len(service.created)
-    with pytest.raises(ValueError, match="it holds a grpo run and this is a opd run"):
+    with pytest.raises(ValueError, match="it holds a run of algorithm 'grpo' and this run is 'opd'"):
         run("opd", service, opd, resume=True)
     assert snapshot(tmp_path / "g") == before and len(service.created) == created
 

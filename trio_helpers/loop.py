@@ -646,7 +646,7 @@ def _identity_problem(run_dir: Path, saved: dict | None, config: LoopConfig, alg
     if any(key not in saved for key in ("algorithm", "run_id")):
         return f"its {CONFIG_FILE} has no run identity (algorithm, run_id): it was not written by this loop"
     if saved["algorithm"] != algorithm:
-        return f"it holds a {saved['algorithm']} run and this is a {algorithm} run"
+        return f"it holds a run of algorithm {saved['algorithm']!r} and this run is {algorithm!r}"
     if data is not None and saved.get("data") is not None and saved["data"] != data:
         return (f"it was trained on other data (saved {saved['data']['records']} records, sha256 "
                 f"{saved['data']['sha256']}; now {data['records']} records, sha256 {data['sha256']})")

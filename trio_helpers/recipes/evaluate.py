@@ -109,7 +109,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--out {args.out!r} is a directory; pass a file name for the records, e.g. "
                          f"{str(out / 'records.jsonl')!r}")
         try:
-            check_writable_dir(out.parent, "--out's folder")
+            check_writable_dir(out.parent, "--out folder")
         except ValueError as err:
             parser.error(f"--out {args.out!r}: {err}")
 

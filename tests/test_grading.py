@@ -475,3 +475,53 @@ def test_graders_return_a_level_for_any_text(response: str) -> None:
     for name, (grade, levels) in GRADERS.items():
         assert grade(response, "18") in levels, name
         assert grade(response, "3/4") in levels, name
+
+
+# ------------------------------------------------------------------------------------------- issue 25
+ADVERSARIAL_100KB = {
+    "grouped digits then a long group": "1234," + "123," * 24_998 + "1234",
+    "grouped digits": "123," * 25_000,
+    "commas": "1," * 50_000,
+    "nested boxes": "\\boxed{" * 14_285,
+    "dollar signs": "$" * 100_000,
+    "text wrappers": "\\text{" * 16_666,
+    "unit words": "12 " + "ab." * 33_332 + "!",
+    "digits": "1" * 100_000,
+    "a sign and spaces": "- " + " " * 99_998,
+}
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL_100KB)
+def test_graders_take_linear_time_on_adversarial_100kb_inputs(name) -> None:
+    import time
+
+    text = ADVERSARIAL_100KB[name]
+    assert len(text) >= 99_990
+    calls = (lambda: normalize_answer(text), lambda: grade_answer(text, "42"),
+             lambda: grade_answer_flexible(text, "42"), lambda: grade_answer("\\boxed{" + text + "}", "42"),
+             lambda: reward_plus_minus(text, "42"))
+    for call in calls:
+        best = float("inf")
+        for _ in range(5):  # the best of a few tries: a busy shared machine slows one, not all
+            started = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - started)
+            if best < 0.05:
+                break
+        assert best < 0.05, f"{name}: {best:.3f} s"
+
+
+def test_a_gsm8k_gold_with_a_final_period_is_the_number() -> None:
+    assert extract_gsm8k_answer("So 1,234 in all.\n#### 1,234.") == "1234"
+    assert grade_answer(r"\boxed{1234}", extract_gsm8k_answer("#### 1,234.")) == 1.0
+
+
+def test_a_non_numeric_gsm8k_gold_is_refused_at_load_time() -> None:
+    with pytest.raises(ValueError, match=r"final answer 'N/A' \(after its last '####'\) is not a number"):
+        extract_gsm8k_answer("Nothing to compute.\n#### N/A")
+
+
+def test_thousands_commas_are_dropped_only_in_a_whole_grouped_number() -> None:
+    assert normalize_answer("1,234,567") == "1234567" and normalize_answer("1,234.5") == "1234.5"
+    assert normalize_answer("1,2,345") == "1,2,345"  # not a grouped number: stays (was "1,2345")
+    assert normalize_answer("12,34,567") == "12,34,567" and normalize_answer("0.123,456") == "0.123,456"

@@ -101,9 +101,10 @@ def test_tiny_run_prints_a_line_per_step_and_resumes(capsys) -> None:
     assert {"reward/mean", "train/datums", "sampler/version", "time/step_s"} <= set(rows[0])
 
 
-def test_resume_without_a_checkpoint_fails_with_status_1(capsys) -> None:
-    assert recipe.main([*TINY, "--resume", "--run-dir", "runs/none"]) == 1
-    assert "no saved state" in capsys.readouterr().err
+def test_resume_without_a_checkpoint_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as info:  # checked before any client: argparse's status 2
+        recipe.main([*TINY, "--resume", "--run-dir", "runs/none"])
+    assert info.value.code == 2 and "no saved state" in capsys.readouterr().err
 
 
 def test_interrupted_without_checkpoints_says_so(monkeypatch, capsys) -> None:

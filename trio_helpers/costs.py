@@ -127,7 +127,8 @@ LEDGER_ROWS = (("requests", "requests"), ("prompt_tokens", "sampling prompt toke
                ("sampled_tokens", "sampled tokens"), ("logprob_tokens", "compute_logprobs tokens"),
                ("forward_tokens", "forward tokens"), ("forward_backward_tokens", "forward_backward tokens"),
                ("optim_steps", "optimizer steps"), ("training_runs", "training runs created"),
-               ("sampler_snapshots", "sampler snapshots"), ("states_saved", "training states saved"))
+               ("sampler_snapshots", "sampler snapshots"), ("states_saved", "training states saved"),
+               ("retries", "retries (inside the client)"), ("failed_requests", "requests failed for good"))
 """The ledger rows a chapter's cost table shows (zero rows are left out, except ``requests``)."""
 
 

@@ -198,22 +198,23 @@ def correctness(records: Sequence[dict]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ storage
 def save_records(records: Sequence[dict], path: str | os.PathLike) -> Path:
-    """Write evaluation records to ``path`` as JSONL (one record per line, UTF-8), atomically.
+    """Write evaluation records to ``path`` as JSONL (one record per line, UTF-8), atomically
+    (:func:`trio_helpers.tracking.write_atomic`: a failure leaves the previous file and no temporary one).
+
+    Raises:
+        OSError: the file could not be written (a full disk, a read-only folder, a directory at ``path``).
 
     Returns:
         The path written.
 
     Introduced in: chapter 07 (notebooks/07_evaluation).
     """
+    from trio_helpers.tracking import write_atomic
+
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def load_records(path: str | os.PathLike) -> list[dict]:

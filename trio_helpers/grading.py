@@ -39,8 +39,12 @@ def extract_gsm8k_answer(answer_text: str) -> str:
     """Return the final answer of a GSM8K solution: the text after the last ``####``.
 
     GSM8K's ``answer`` field is a worked solution that ends with ``#### <number>``.
-    The number is returned stripped, with thousands commas removed (``"#### 1,234"``
-    gives ``"1234"``).
+    The number is returned stripped, with commas and a sentence's final period removed
+    (``"#### 1,234"`` and ``"#### 1,234."`` give ``"1234"``). Every GSM8K gold answer is a
+    number, so a final answer that :func:`parse_number` cannot read (``"#### N/A"``) is an
+    error here, at load time, rather than a gold that ``\\boxed{N/A}`` would match. (The
+    graders themselves still accept a non-numeric gold and compare it as text: DeepMath-style
+    answers such as ``\\frac{\\pi}{2}`` need that.)
 
     Args:
         answer_text: the dataset's ``answer`` field.
@@ -50,7 +54,8 @@ def extract_gsm8k_answer(answer_text: str) -> str:
 
     Raises:
         TypeError: if ``answer_text`` is not a string.
-        ValueError: if there is no ``####`` marker, or nothing follows the last one.
+        ValueError: if there is no ``####`` marker, nothing follows the last one, or what
+            follows is not a number.
 
     Introduced in: chapter 01 (notebooks/01_gsm8k_data).
     """
@@ -64,11 +69,16 @@ def extract_gsm8k_answer(answer_text: str) -> str:
             f"(it starts {answer_text[:60]!r}); pass the dataset's 'answer' field, "
             "which ends with '#### <number>'"
         )
-    answer = answer_text.rsplit("####", 1)[1].strip().replace(",", "")
+    answer = answer_text.rsplit("####", 1)[1].strip().replace(",", "").rstrip(".").strip()
     if not answer:
         raise ValueError(
             "answer_text has nothing after its last '####' "
             f"(it starts {answer_text[:60]!r}); a GSM8K solution ends with '#### <number>'"
+        )
+    if parse_number(answer) is None:
+        raise ValueError(
+            f"answer_text's final answer {answer[:60]!r} (after its last '####') is not a number; every GSM8K "
+            "gold answer is one, so the row is not GSM8K's: fix or drop it"
         )
     return answer
 
@@ -144,7 +154,10 @@ def extract_boxed(text: str) -> str | None:
 
 _DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?!,?\d)")
+# Runs of digits and commas that start and end with a digit; each is then checked whole (linear time: no
+# backtracking over a 100 kB ``123,123,...``, which a lookahead pattern needs quadratic time for).
+_DIGIT_RUN = re.compile(r"\d(?:[\d,]*\d)?")
+_GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+")
 _SIGN_SPACE = re.compile(r"^([-+])\s+")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\s*=\s*")
 # A number followed by unit words of two or more letters: "18 dollars", "5 cm".
@@ -192,22 +205,42 @@ def normalize_answer(s: str) -> str:
     t = _ASSIGNMENT.sub("", t)
     t = t.rstrip(".").strip()
     t = _TRAILING_UNITS.sub(r"\1", t)
-    t = _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), t)
+    t = _drop_thousands_commas(t)
     t = _SIGN_SPACE.sub(r"\1", t)
     return t.rstrip(".").strip()
 
 
+def _drop_thousands_commas(t: str) -> str:
+    """Remove the commas of each maximal run of digits and commas that is exactly ``d{1,3}(,ddd)+`` and does not
+    follow a ``.`` (``1,234,567`` -> ``1234567``; ``1,2``, ``12,34,567`` and the decimals ``.123,456`` stay)."""
+
+    def one(match: re.Match) -> str:
+        run = match.group(0)
+        start = match.start()
+        if "," not in run or (start and t[start - 1] == ".") or not _GROUPED.fullmatch(run):
+            return run
+        return run.replace(",", "")
+
+    return _DIGIT_RUN.sub(one, t)
+
+
 def _strip_delimiters(t: str) -> str:
-    """Remove one or more layers of surrounding math delimiters."""
+    """Remove one or more layers of surrounding math delimiters (by index: linear in ``len(t)``)."""
+    start, end = 0, len(t)
     changed = True
     while changed:
         changed = False
         for left, right in _DELIMITERS:
-            if len(t) >= len(left) + len(right) and t.startswith(left) and t.endswith(right):
-                t = t[len(left) : len(t) - len(right)].strip()
+            if end - start >= len(left) + len(right) and t.startswith(left, start, end) \
+                    and t.endswith(right, start, end):
+                start, end = start + len(left), end - len(right)
+                while start < end and t[start].isspace():
+                    start += 1
+                while end > start and t[end - 1].isspace():
+                    end -= 1
                 changed = True
                 break
-    return t
+    return t[start:end]
 
 
 MAX_NUMBER_CHARS = 1000

@@ -58,10 +58,13 @@ scorer in chapter 06.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
 import json
 import math
 import numbers
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -82,6 +85,12 @@ CHECKPOINTS_FILE = "checkpoints.json"
 CONFIG_FILE = "config.json"
 MAY_CHANGE_ON_RESUME = ("steps", "swanlab", "max_concurrency", "weights_name", "run_dir")
 """Settings a resumed run may change; every other setting must equal the saved ``config.json``."""
+IDENTITY_KEYS = ("algorithm", "data", "run_id")
+"""What ``config.json`` holds besides the config's fields: the scorer (``"grpo"``, ``"opd"``), the data's
+fingerprint (``{"records": n, "sha256": ...}``) and a random run id that every ``checkpoints.json`` entry repeats."""
+MAX_SEQ_LEN = 8192
+"""The models' sequence limit (prompt + completion tokens), as the service reports it (``max_seq_len``) and the
+offline backend enforces it: ``max_tokens`` must stay below it."""
 TIMING_PREFIX = "time/"
 """Metric keys starting with this are wall-clock numbers: they differ on every run (keep them out of outputs)."""
 
@@ -182,6 +191,9 @@ class LoopConfig:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.max_tokens >= MAX_SEQ_LEN:
+            raise ValueError(f"max_tokens must be < {MAX_SEQ_LEN} (the models' sequence limit, prompt + "
+                             f"completion), got {self.max_tokens}; lower max_tokens (--max-tokens)")
         if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
         for name in ("beta1", "beta2"):
@@ -491,9 +503,14 @@ class RunStopped(RuntimeError):
                 error.last_error
         self.step, self.call, self.checkpoint, self.completed = step, call, checkpoint, completed
         message = getattr(error, "message", None) or str(error)
+        if isinstance(error, OSError) and error.strerror:
+            from trio_helpers.tracking import os_fix
+
+            message = (f"{error.strerror}" + (f" ({error.filename})" if error.filename else "")
+                       + f"; {os_fix(error)} (--run-dir)")
         where = (f"resume from the saved state after step {checkpoint['step']} with resume=True "
                  "(recipes: --resume)" if checkpoint else "no state was saved, so the run cannot resume "
-                 "(set save_every and run_dir to make it resumable)")
+                 "(set save_every and run_dir to make it resumable; recipes: --save-every N --run-dir DIR)")
         super().__init__(f"step {step}: {call} failed: {type(error).__name__}: {message}. The run stopped "
                          f"cleanly after {completed} logged steps; {where}")
 
@@ -552,6 +569,7 @@ class RunState:
     checkpoints: list[dict]
     owns_logger: bool
     ref: object = None
+    lock: int | None = None
 
 
 def read_checkpoints(run_dir: str | os.PathLike) -> list[dict]:
@@ -566,25 +584,145 @@ def read_checkpoints(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def _write_json(path: Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # atomic: an interruption never leaves half a file
+    from trio_helpers.tracking import write_atomic
+
+    write_atomic(path, json.dumps(value, indent=1) + "\n")
 
 
-def _check_resume(run_dir: Path, config: LoopConfig) -> list[dict]:
-    checkpoints = read_checkpoints(run_dir)
-    if not checkpoints:
-        raise ValueError(f"resume=True, but run_dir {str(run_dir)!r} has no saved state in {CHECKPOINTS_FILE}; "
-                         "start the run with save_every > 0, or pass resume=False to start fresh")
-    path = run_dir / CONFIG_FILE
-    saved = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+def data_fingerprint(records: Sequence[dict]) -> dict:
+    """``{"records": n, "sha256": ...}`` of a run's records: what ``config.json`` says the run trained on.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
+    return {"records": len(records), "sha256": digest.hexdigest()[:16]}
+
+
+def _metrics_digest(run_dir: Path, before_step: int) -> str | None:
+    """A digest of the rows of steps ``< before_step`` in ``run_dir/metrics.jsonl`` (None: no such file)."""
+    from trio_helpers.tracking import METRICS_FILE, _read_jsonl
+
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    for row in _read_jsonl(path):
+        if isinstance(row.get("step"), int) and row["step"] < before_step:
+            digest.update(json.dumps(row).encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
+def lock_run_dir(run_dir: str | os.PathLike) -> int:
+    """Take the run directory's lock; returns the descriptor that holds it (``os.close`` releases it).
+
+    The lock is ``flock`` on the directory itself: the kernel releases it when the holding process exits, however
+    it exits, so a run that was killed never leaves a stale lock behind; the next run simply takes it (atomically,
+    so two runs racing for a dead run's directory cannot both get it). No lock file is written.
+
+    Raises:
+        ValueError: another live run holds the lock (one line, with the fix).
+
+    Introduced in: chapter 05 (notebooks/05_grpo_async).
+    """
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"run_dir {str(run_dir)!r} is in use by another run that is still running; wait for it "
+                         "to finish, or choose another run_dir (--run-dir)") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _identity_problem(run_dir: Path, saved: dict | None, config: LoopConfig, algorithm: str,
+                      data: dict | None) -> str | None:
+    if saved is None:
+        return (f"it has run files but no {CONFIG_FILE}, so nothing says which run they belong to")
+    if any(key not in saved for key in ("algorithm", "run_id")):
+        return f"its {CONFIG_FILE} has no run identity (algorithm, run_id): it was not written by this loop"
+    if saved["algorithm"] != algorithm:
+        return f"it holds a run of algorithm {saved['algorithm']!r} and this run is {algorithm!r}"
+    if data is not None and saved.get("data") is not None and saved["data"] != data:
+        return (f"it was trained on other data (saved {saved['data']['records']} records, sha256 "
+                f"{saved['data']['sha256']}; now {data['records']} records, sha256 {data['sha256']})")
     now = asdict(config)
     changed = {k: (saved[k], now[k]) for k in now
                if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
-    if changed:
-        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
+    missing = [k for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME]
+    if changed or missing:
+        detail = ", ".join([f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items()]
+                           + [f"{k}: not saved" for k in missing])
         raise ValueError(f"cannot resume run_dir {str(run_dir)!r} with different settings ({detail}); use the "
-                         "saved settings, or a new run_dir with resume=False")
+                         "saved settings, or a new run_dir (--run-dir) with resume=False (no --resume)")
+    return None
+
+
+def check_run_dir(run_dir: str | os.PathLike, config: LoopConfig, algorithm: str,
+                  records: Sequence[dict] | None = None, resume: bool = False) -> list[dict]:
+    """Everything about ``run_dir`` that can be checked before a client is created or a sample drawn.
+
+    The path must be a directory (created if missing) that a file can be written in, and no live run may hold
+    it (:func:`lock_run_dir`). With ``resume``, the directory must belong to this run: its ``config.json`` has
+    the same algorithm, data and settings (:data:`MAY_CHANGE_ON_RESUME` aside), ``checkpoints.json`` lists a
+    state of that run (same ``run_id``), and ``metrics.jsonl`` holds the rows that run logged before that state.
+
+    Returns:
+        The saved states (``checkpoints.json``) with ``resume``, else ``[]``.
+
+    Raises:
+        ValueError: one line naming the directory, what is wrong and the fix.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    from trio_helpers.tracking import METRICS_FILE, check_writable_dir
+
+    run_dir = Path(run_dir)
+    if not resume:
+        check_writable_dir(run_dir, "run_dir")
+        if run_dir.is_dir():
+            os.close(lock_run_dir(run_dir))
+        return []
+    if not run_dir.is_dir():
+        what = "is a file" if run_dir.exists() else "does not exist"
+        raise ValueError(f"resume=True, but run_dir {str(run_dir)!r} {what}, so it has no saved state; pass the "
+                         "run_dir (--run-dir) of the run to continue, or start fresh without resume (--resume)")
+    check_writable_dir(run_dir, "run_dir")
+    os.close(lock_run_dir(run_dir))
+    config_path = run_dir / CONFIG_FILE
+    try:
+        saved = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else None
+        checkpoints = read_checkpoints(run_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot resume run_dir {str(run_dir)!r}: its {CONFIG_FILE} or {CHECKPOINTS_FILE} is "
+                         f"unreadable ({err}); start fresh in another run_dir (--run-dir) without --resume"
+                         ) from None
+    has_files = saved is not None or checkpoints or (run_dir / METRICS_FILE).exists()
+    if not checkpoints:
+        hint = ("start the run with save_every > 0 (--save-every N), or start fresh without resume "
+                "(drop --resume)")
+        if has_files:
+            raise ValueError(f"resume=True, but run_dir {str(run_dir)!r} has no saved state in {CHECKPOINTS_FILE} "
+                             f"(the run stopped before its first save_state); {hint}")
+        raise ValueError(f"resume=True, but run_dir {str(run_dir)!r} has no saved state in {CHECKPOINTS_FILE}; "
+                         f"{hint}")
+    problem = _identity_problem(run_dir, saved, config, algorithm,
+                                data_fingerprint(records) if records is not None else None)
+    last = checkpoints[-1]
+    if problem is None and last.get("run_id") != saved.get("run_id"):
+        problem = (f"its {CHECKPOINTS_FILE} lists states of run {last.get('run_id')!r}, its {CONFIG_FILE} is of "
+                   f"run {saved.get('run_id')!r}")
+    if problem is None and last.get("metrics_sha256") is not None:
+        if _metrics_digest(run_dir, int(last["step"])) != last["metrics_sha256"]:
+            problem = (f"its {METRICS_FILE} does not hold the rows its run logged before the state of step "
+                       f"{last['step']} (rows of another run were written there)")
+    if problem is not None:
+        raise ValueError(f"cannot resume run_dir {str(run_dir)!r}: {problem}; resume it with its own settings, or "
+                         "start fresh in a new run_dir (--run-dir) without --resume")
     return checkpoints
 
 
@@ -622,17 +760,46 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
         if training_client is not None:
             raise ValueError("resume=True restores the training client from the run's last checkpoint; do not "
                              "pass training_client as well")
-        checkpoints = _check_resume(run_dir, config)
+    lock, created = None, False
+    if run_dir is not None:
+        checkpoints = check_run_dir(run_dir, config, scorer.name, records, resume=resume)
+        created = not run_dir.exists()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"run_dir {str(run_dir)!r} cannot be created: {err.strerror}; choose another "
+                             "run_dir (--run-dir)") from None
+        lock = lock_run_dir(run_dir)  # held until the run ends (finish_run, or the run's failure)
+    try:
+        return _open_run(service, records, config, scorer, logger, resume, training_client, run_dir, total,
+                         checkpoints if resume else [], lock)
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        if created:  # a run refused before it wrote anything leaves no empty directory behind
+            try:
+                run_dir.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def _open_run(service, records, config, scorer, logger, resume, training_client, run_dir, total, checkpoints,
+              lock) -> RunState:
+    from trio_helpers import tracking
+
     # The frozen reference sampler of the KL penalty comes first: a reference that cannot serve this base
     # model (weights trained from another one) is refused before any training run is created.
     ref = None
     if config.ref_kl_coef > 0:
         ref = service.create_sampling_client(config.base_model, model_path=config.ref_model_path)
+    run_id = None
     if resume:
         last = checkpoints[-1]
         scorer.setup(service)
         training_client = service.create_training_client_from_state_with_optimizer(last["path"])
         start = int(last["step"])
+        run_id = last.get("run_id")
     else:
         checkpoints = []
         scorer.setup(service)
@@ -641,10 +808,11 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
                                                                    seed=config.seed)
         start = 0
         if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
             _write_json(run_dir / CHECKPOINTS_FILE, [])
     if run_dir is not None:
-        _write_json(run_dir / CONFIG_FILE, asdict(config))
+        identity = {"algorithm": scorer.name, "data": data_fingerprint(records),
+                    "run_id": run_id or secrets.token_hex(8)}
+        _write_json(run_dir / CONFIG_FILE, {**asdict(config), **identity})
     owns = logger is None
     if owns:
         logger = tracking.MetricsLogger(run_dir, swanlab=config.swanlab, project=f"trio-book-{scorer.name}",
@@ -652,7 +820,18 @@ def open_run(service, records: Sequence[dict], config: LoopConfig, scorer, logge
     if resume and hasattr(logger, "truncate"):
         logger.truncate(start)
     return RunState(config, training_client, training_client.get_tokenizer(), logger, start, total, run_dir,
-                    checkpoints, owns, ref)
+                    checkpoints, owns, ref, lock)
+
+
+def _close_run(run: RunState) -> None:
+    """Close the logger if the run created it, and release the run directory's lock."""
+    try:
+        if run.owns_logger:
+            run.logger.close()
+    finally:
+        if run.lock is not None:
+            os.close(run.lock)
+            run.lock = None
 
 
 def save_checkpoint(run: RunState, done: int) -> dict:
@@ -662,9 +841,11 @@ def save_checkpoint(run: RunState, done: int) -> dict:
     """
     path = run.training_client.save_state(f"step-{done:06d}", overwrite=True).result().path
     entry = {"step": done, "path": path}
-    run.checkpoints.append(entry)
     if run.run_dir is not None:
-        _write_json(run.run_dir / CHECKPOINTS_FILE, run.checkpoints)
+        saved = json.loads((run.run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+        entry.update(run_id=saved.get("run_id"), metrics_sha256=_metrics_digest(run.run_dir, done))
+        _write_json(run.run_dir / CHECKPOINTS_FILE, [*run.checkpoints, entry])  # listed once it is on disk
+    run.checkpoints.append(entry)
     return entry
 
 
@@ -696,8 +877,7 @@ def finish_run(run: RunState, scorer=None) -> RunResult:
     if run.config.weights_name:
         final = run.training_client.save_weights_for_sampler(run.config.weights_name).result().path
     history = sorted(run.logger.history(), key=lambda r: r["step"])
-    if run.owns_logger:
-        run.logger.close()
+    _close_run(run)
     return RunResult(history=history, final_path=final, checkpoints=list(run.checkpoints),
                      start_step=run.start_step, run_dir=str(run.run_dir) if run.run_dir is not None else None,
                      training_client=run.training_client, scorer=scorer)
@@ -792,6 +972,9 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
             except Exception as error:
                 if _service_error(error):
                     raise _Failed(step + 1, "save_state", error) from error
+                if isinstance(error, OSError):  # a full disk, a read-only run_dir: the files stay consistent
+                    raise _Failed(step, "writing the run directory (metrics.jsonl, checkpoints.json)",
+                                  error) from error
                 raise
             needed = {sampler_version(config, s, start) for s in range(step + 1, min(total, step + ahead + 2))}
             for old in [k for k in samplers if k not in needed and k < version]:
@@ -857,25 +1040,22 @@ def run_loop(service, records: Sequence[dict], config: LoopConfig, scorer, *, lo
         if run.total_steps > run.start_step:
             run_sync(_steps(run, records, scorer, retries, on_step, on_event, bar, print_every))
     except _Failed as failed:
-        if run.owns_logger:
-            run.logger.close()
+        _close_run(run)
         last = run.checkpoints[-1] if run.checkpoints else None
         done = len(run.logger.history())
         raise RunStopped(failed.step, failed.call, failed.error, last, done) from failed.error
     except BaseException:
-        if run.owns_logger:
-            run.logger.close()
+        _close_run(run)
         raise
     finally:
         if bar is not None:
             bar.close()
     try:
         return finish_run(run, scorer)
-    except Exception as error:
-        if not _service_error(error):
+    except BaseException as error:
+        _close_run(run)
+        if not isinstance(error, Exception) or not (_service_error(error) or isinstance(error, OSError)):
             raise
-        if run.owns_logger:
-            run.logger.close()
         last = run.checkpoints[-1] if run.checkpoints else None
         raise RunStopped(run.total_steps, "saving the final state (save_state or save_weights_for_sampler)",
                          error, last, len(run.logger.history())) from error

@@ -10,14 +10,111 @@ Introduced in: chapter 04 (notebooks/04_grpo_sync).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 
 SWANLAB_MODES = ("online", "offline", "disabled")
 METRICS_FILE = "metrics.jsonl"
+TMP_SUFFIX = ".tmp"
+"""Suffix of :func:`write_atomic`'s temporary files (``.<name>.<random>.tmp`` next to the target)."""
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Replace ``path`` with ``text`` (UTF-8) so that readers see the old file or the new one, never half of one.
+
+    The one way the loop and the recipes write a whole file (``config.json``, ``checkpoints.json``, a rewritten
+    ``metrics.jsonl``, ``usage.json``, evaluation records): write a temporary file next to ``path``, flush and
+    ``fsync`` it, rename it over ``path``, then ``fsync`` the directory. If anything fails (a full disk, a
+    read-only directory, ``path`` is a directory, Ctrl-C), the temporary file is removed and the previous
+    ``path`` is left as it was; the error is raised.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OSError: the file could not be written (``ENOSPC``, ``EROFS``, ``EISDIR``, ...).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError) and err.errno is not None:  # name the file meant, not the temporary one
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable; not every file system allows it
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return path
+
+
+def check_writable_dir(directory: str | os.PathLike, what: str = "run_dir") -> Path:
+    """Check that a file can be written in ``directory``, or (if it does not exist yet) that it can be created.
+
+    A probe file (a few bytes, flushed and fsynced) is written and removed in ``directory``, or in its nearest
+    existing ancestor, so that a full disk, a read-only mount or a file where a directory should be are found
+    before any client is created or any sample drawn. Nothing is left behind.
+
+    Raises:
+        ValueError: one line naming ``what``, the path, the reason and the fix.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    directory = Path(directory)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == directory else f" (its parent {str(existing)!r} is a file)"
+        raise ValueError(f"{what} {str(directory)!r} is a file, not a directory{where}; pass a directory path "
+                         "(it is created if missing)")
+    try:
+        probe = write_atomic(existing / f".write-probe-{secrets.token_hex(4)}{TMP_SUFFIX}", "probe\n")
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{what} {str(directory)!r} is not writable: {os_reason(err)}; "
+                         f"{os_fix(err, what)}") from None
+    return directory
+
+
+def os_reason(err: OSError) -> str:
+    """The short reason of an ``OSError`` (``"No space left on device"``), without the path.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    return err.strerror or type(err).__name__
+
+
+def os_fix(err: OSError, what: str = "run_dir") -> str:
+    """What to do about an ``OSError`` that writing ``what`` raised, in a few words.
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free some space on that disk, or choose a {what} on another disk"
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"choose a {what} you can write to"
+    if err.errno in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST):
+        return f"choose another {what}: something of the wrong kind is in the way"
+    return f"check the path, or choose another {what}"
 
 
 def _jsonable(value):
@@ -35,6 +132,9 @@ def _jsonable(value):
 
 class MetricsLogger:
     """Append-only per-step metrics: ``metrics.jsonl`` in ``run_dir`` (or memory), optionally mirrored to SwanLab.
+
+    Each step appends one line (a run killed mid-line leaves a torn last row, which resuming detects and cuts);
+    every whole-file write (reset, :meth:`truncate`, the repair) goes through :func:`write_atomic`.
 
     Args:
         run_dir: directory of the run (created if missing); ``None`` keeps the history in memory only.
@@ -80,7 +180,7 @@ class MetricsLogger:
                 if resume and self.path.exists():
                     self._rows = _read_jsonl(self.path, repair=True)
                 else:
-                    self.path.write_text("", encoding="utf-8")
+                    write_atomic(self.path, "")
         except BaseException:
             self.close()
             raise
@@ -122,9 +222,7 @@ class MetricsLogger:
         dropped = len(self._rows) - len(keep)
         self._rows = keep
         if self.path is not None:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         return dropped
 
     def close(self) -> None:
@@ -160,10 +258,7 @@ def _read_jsonl(path: Path, repair: bool = False) -> list[dict]:
             print(f"{path}: dropped the partial last row (line {number}, {len(line)} characters), left by a run "
                   "stopped while writing it", file=sys.stderr)
             if repair:
-                keep = "".join(f"{good}\n" for _, good in numbered[:k])
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text(keep, encoding="utf-8")
-                os.replace(tmp, path)
+                write_atomic(path, "".join(f"{good}\n" for _, good in numbered[:k]))
             break
         rows.append(row)
     return rows

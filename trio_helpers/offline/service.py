@@ -920,9 +920,17 @@ class OfflineSamplingClient:
                 f"num_samples must be >= 1 and topk_prompt_logprobs >= 0 (got {num_samples}, {topk})",
                 code="validation.invalid_sampling_request",
             )
-        if sampling_params.temperature < 0 or not 0 < sampling_params.top_p <= 1 or sampling_params.top_k == 0:
+        if len(tokens) + sampling_params.max_tokens > MAX_SEQ_LEN:
             raise ValidationError(
-                "invalid sampling parameters: need temperature >= 0, 0 < top_p <= 1 and top_k = -1 or >= 1 "
+                f"prompt ({len(tokens)} tokens) + sampling_params.max_tokens ({sampling_params.max_tokens}) exceeds "
+                f"the model's max_seq_len {MAX_SEQ_LEN}; lower max_tokens",
+                code="validation.invalid_sampling_request",
+            )
+        if not all(math.isfinite(v) for v in (sampling_params.temperature, sampling_params.top_p)) \
+                or sampling_params.temperature < 0 or not 0 < sampling_params.top_p <= 1 \
+                or sampling_params.top_k == 0:
+            raise ValidationError(
+                "invalid sampling parameters: need a finite temperature >= 0, 0 < top_p <= 1 and top_k = -1 or >= 1 "
                 f"(got temperature={sampling_params.temperature}, top_p={sampling_params.top_p}, "
                 f"top_k={sampling_params.top_k})",
                 code="validation.invalid_sampling_request",

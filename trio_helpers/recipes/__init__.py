@@ -6,8 +6,11 @@ loop's settings (:func:`loop_parser`), the backend flags (:func:`add_backend_fla
 a config (:func:`config_from_args`) and the run wrapper that turns failures into one line and an exit status
 (:func:`run_and_report`).
 
-Exit statuses: 0 done; 1 the run stopped (a service call failed for good, or a run that cannot start); 2 bad
-flags or settings (nothing was created or written); 130 interrupted (Ctrl-C).
+Exit statuses: 0 done; 1 the run stopped (a service call failed for good, the disk filled, the network or the
+service is unreachable, or a run that cannot start); 2 bad flags, settings, paths or data folders, including a
+run directory that belongs to another run or is in use (nothing was created or written); 130 interrupted (Ctrl-C).
+Every error a user can cause is one line on stderr naming the flag or path, the value and the fix; never a
+traceback.
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync).
 """
@@ -176,8 +179,13 @@ def config_from_args(args: argparse.Namespace, cls, **extra):
     return cls(**values)
 
 
-def check_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, config=None) -> None:
+def check_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, config=None,
+                   algorithm: str | None = None) -> None:
     """Everything that can be checked before contacting a service; ``parser.error`` (exit 2) otherwise.
+
+    With ``algorithm`` (``"grpo"``, ``"opd"``) also the run directory (:func:`trio_helpers.loop.check_run_dir`):
+    a path that cannot be written, a directory another live run holds, or (with ``--resume``) one that belongs to
+    another run is refused here, before any client exists.
 
     Introduced in: chapter 05 (notebooks/05_grpo_async).
     """
@@ -190,10 +198,13 @@ def check_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, co
         parser.error("--resume needs --run-dir: the run directory holds the saved states and metrics.jsonl")
     used = [flag for name, flag in OFFLINE_FLAGS.items() if getattr(args, name, None) is not None]
     if used:
-        from trio_helpers.backend import has_pytrio_credentials
+        from trio_helpers.backend import resolve_backend
 
-        backend = args.backend or __import__("os").environ.get("TRIO_BACKEND") or "auto"
-        if backend == "remote" or (backend == "auto" and has_pytrio_credentials()):
+        try:
+            backend = resolve_backend(args.backend)
+        except ValueError as err:
+            parser.error(str(err))
+        if backend == "remote":
             parser.error(f"{', '.join(used)} simulate the offline backend and cannot apply to the real service; "
                          "drop them or use --backend offline")
     mode = getattr(args, "swanlab", "disabled")
@@ -204,6 +215,37 @@ def check_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, co
             tracking.check_swanlab(mode)
     except ValueError as err:
         parser.error(str(err))
+    if algorithm is not None and config is not None and config.run_dir and not getattr(args, "dry_run", False):
+        from trio_helpers.loop import check_run_dir
+
+        try:
+            check_run_dir(config.run_dir, config, algorithm, resume=getattr(args, "resume", False))
+        except ValueError as err:
+            parser.error(str(err))
+
+
+def load_data(parser: argparse.ArgumentParser, load, flags: str):
+    """``load()`` (a data loader), with every failure as one line: exit 2 for a path or folder the user gave
+    (missing, empty, unreadable, not a dataset), exit 1 for the network or anything else.
+
+    Args:
+        parser: the recipe's parser (its ``prog`` starts the line).
+        load: a function of no arguments returning the records.
+        flags: the flags that chose the data, as the user would type them (named in the message).
+
+    Introduced in: chapter 07 (notebooks/07_evaluation).
+    """
+    try:
+        return load()
+    except Exception as err:  # noqa: BLE001 - files, folders, the network, the data: one line each
+        usage = isinstance(err, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                                 PermissionError))
+        first = (str(err).splitlines() or [""])[0].strip() or type(err).__name__
+        fix = ("check the folder or pick another one" if usage else
+               "check the network, or download the data once and pass its folder")
+        print(f"{parser.prog}: error: cannot load the data ({flags}): {type(err).__name__}: {first}; {fix}",
+              file=sys.stderr)
+        raise SystemExit(2 if usage else 1) from None
 
 
 def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -216,7 +258,7 @@ def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     options = {name: getattr(args, name) for name in OFFLINE_FLAGS if getattr(args, name, None) is not None}
     try:
         return connect(args.backend, **options)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         parser.error(str(err))
     except Exception as err:  # pytrio's AuthError, an unreachable service: one line, no traceback
         from pytrio.errors.base import PyTrioError
@@ -262,19 +304,35 @@ def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
 
     Introduced in: chapter 05 (notebooks/05_grpo_async).
     """
-    from trio_helpers.loop import RunStopped
+    from trio_helpers.loop import RunStopped, read_checkpoints
+    from trio_helpers.tracking import os_fix
 
     prog = parser.prog
     args = argv if argv is not None else sys.argv[1:]
+    outage = _outage_note(args)
+    run_dir = getattr(parser, "_run_dir", None)
+
+    def saved() -> bool:
+        try:
+            return bool(run_dir) and bool(read_checkpoints(run_dir))
+        except (OSError, ValueError):
+            return False
+
     try:
         return run(), 0
     except RunStopped as stopped:
-        print(f"{prog}: error: {stopped}", file=sys.stderr)
+        print(f"{prog}: error: {stopped}{outage}", file=sys.stderr)
         if stopped.checkpoint is not None:
             print(f"{prog}: resume with: {resume_command(prog, args)}", file=sys.stderr)
         return None, 1
     except ValueError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
+        return None, 2
+    except OSError as err:  # a full disk, a read-only or vanished run directory, outside the steps
+        where = f" {err.filename}" if err.filename else ""
+        how = (f"; then resume with: {resume_command(prog, args)}" if saved() else "")
+        print(f"{prog}: error: cannot write{where}: {err.strerror or type(err).__name__}; "
+              f"{os_fix(err, '--run-dir')}{how}", file=sys.stderr)
         return None, 1
     except Exception as err:  # a service call that failed before the first step (creating the run's clients)
         from pytrio.errors.base import PyTrioError
@@ -282,13 +340,30 @@ def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
         if not isinstance(err, PyTrioError):
             raise
         message = (getattr(err, "message", None) or str(err) or type(err).__name__).splitlines()[0]
-        print(f"{prog}: error: the run could not start: {type(err).__name__}: {message}", file=sys.stderr)
+        print(f"{prog}: error: the run could not start: {type(err).__name__}: {message}{outage}",
+              file=sys.stderr)
         return None, 1
     except KeyboardInterrupt:
-        how = (f"resume from the last saved state with: {resume_command(prog, args)}"
-               if getattr(parser, "_resumable", True) else "no state was saved (--save-every 0): rerun it")
+        if not getattr(parser, "_resumable", True):
+            how = "no state was saved (--save-every 0): rerun it"
+        elif saved():
+            how = f"resume from the last saved state with: {resume_command(prog, args)}"
+        else:
+            how = ("no state was saved yet (the first save comes after --save-every steps), so it cannot "
+                   "resume: rerun it without --resume")
         print(f"{prog}: interrupted; finished steps are in metrics.jsonl; {how}", file=sys.stderr)
         return None, 130
+
+
+def _outage_note(argv: list[str]) -> str:
+    """`` (the simulated outage of --outage-after N ...)`` when the command simulated one, else ``""``."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--outage-after=") else (
+            argv[i + 1] if arg == "--outage-after" and i + 1 < len(argv) else None)
+        if value is not None:
+            return (f" (the offline backend's simulated outage: --outage-after {value} fails every request from "
+                    f"request {value} on; drop --outage-after to run normally)")
+    return ""
 
 
 def add_dry_run_flag(p: argparse.ArgumentParser) -> None:
@@ -358,8 +433,10 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
     print("  (the offline model's text in Qwen tokens; a real model writes other, often longer, text)")
 
 
-def report_usage(service, run_dir) -> None:
-    """After a run: print the service's ledger (offline) and write it to ``run_dir/usage.json``.
+def report_usage(service, run_dir, path=None) -> None:
+    """After a run: print the service's ledger (offline) and write it to ``run_dir/usage.json`` (or ``path``):
+    the offline counts (``retries``, ``failed_requests`` and ``retry_seconds`` among them, also under
+    ``"retries"``) and the real-token estimate, through :func:`trio_helpers.tracking.write_atomic`.
 
     The real service's client reports no usage, so there it prints one line saying so.
 
@@ -370,22 +447,23 @@ def report_usage(service, run_dir) -> None:
     from pathlib import Path
 
     from trio_helpers.costs import chapter_bill, real_tokens
+    from trio_helpers.tracking import write_atomic
 
     if not hasattr(service, "usage"):
         print("usage: the real service's client reports none; see your account's usage page")
         return
     used = service.usage()
     print(chapter_bill(used))
-    if run_dir:
+    if run_dir or path is not None:
         bill = real_tokens(used)
-        record = {"offline": asdict(used), "qwen_tokens_estimate": {
+        record = {"offline": asdict(used), "retries": {
+            "retries": used.retries, "failed_requests": used.failed_requests, "retry_seconds": used.retry_seconds},
+            "qwen_tokens_estimate": {
             "inference": bill.inference[0], "inference_range": list(bill.inference[1:]),
             "training": bill.training[0]}}
-        path = Path(run_dir) / "usage.json"
+        path = Path(path) if path is not None else Path(run_dir) / "usage.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name("usage.json.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_atomic(path, json.dumps(record, indent=1) + "\n")
         print(f"usage: {path}")
 
 

@@ -30,7 +30,8 @@ from trio_helpers.evaluation import (
     save_records,
     summary_rows,
 )
-from trio_helpers.recipes import add_backend_flags, check_settings, connect_from_args, report_usage
+from trio_helpers.recipes import add_backend_flags, check_settings, connect_from_args, load_data, report_usage
+from trio_helpers.loop import MAX_SEQ_LEN
 from trio_helpers.recipes import int_at_least as _int_at_least
 
 
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="base of the per-problem sampling seeds")
     p.add_argument("--n-boot", type=_int_at_least(100), default=10_000, help="bootstrap resamples")
     p.add_argument("--compare-to", default=None, help="records (JSONL) of an earlier run on the same problems")
-    p.add_argument("--out", default=None, help="write this run's records here (JSONL)")
+    p.add_argument("--out", default=None, help="write this run's records here (JSONL), and the usage ledger next to it "
+                   "(<out stem>.usage.json)")
     p.add_argument("--label", default=None, help="name of this run in the table (default: base or checkpoint)")
     add_backend_flags(p)
     return p
@@ -96,6 +98,20 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--out and --compare-to name the same file; the comparison would overwrite its own baseline")
     if args.model_path is not None and not args.model_path.strip():
         parser.error("--model-path is empty; pass the path printed by save_weights_for_sampler, or omit it")
+    if args.max_tokens >= MAX_SEQ_LEN:
+        parser.error(f"argument --max-tokens: must be < {MAX_SEQ_LEN} (the models' sequence limit, prompt + "
+                     f"completion), got {args.max_tokens}")
+    if args.out is not None:
+        from trio_helpers.tracking import check_writable_dir
+
+        out = Path(args.out)
+        if out.is_dir():
+            parser.error(f"--out {args.out!r} is a directory; pass a file name for the records, e.g. "
+                         f"{str(out / 'records.jsonl')!r}")
+        try:
+            check_writable_dir(out.parent, "--out folder")
+        except ValueError as err:
+            parser.error(f"--out {args.out!r}: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,10 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     from trio_helpers.evaluation import evaluate
 
     service = connect_from_args(parser, args)
-    try:
-        records = load_gsm8k(args.split, source=args.data_source, path=args.data_path)[: args.eval_samples]
-    except ValueError as err:
-        parser.error(str(err))
+    flags = f"--data-source {args.data_source}" + (f" --data-path {args.data_path}" if args.data_path else "")
+    records = load_data(parser, lambda: load_gsm8k(args.split, source=args.data_source, path=args.data_path),
+                        flags)[: args.eval_samples]
     if len(records) < args.eval_samples:
         print(f"note: the {args.split} split has only {len(records)} problems; evaluating all of them")
     try:
@@ -151,8 +166,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if args.out is not None:
-        save_records(results, args.out)
-        print(f"records: {args.out}")
+        try:
+            save_records(results, args.out)
+            print(f"records: {args.out}")
+        except OSError as err:
+            from trio_helpers.tracking import os_fix
+
+            print(f"{parser.prog}: error: --out {args.out!r}: cannot write it: {err.strerror}; "
+                  f"{os_fix(err, '--out')}", file=sys.stderr)
+            return 1
     label = args.label or ("checkpoint" if args.model_path else "base")
     print(f"model: {args.base_model}" + (f" @ {args.model_path}" if args.model_path else "")
           + f" | {args.split} problems: {len(records)} | max_tokens {args.max_tokens} | "
@@ -173,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         per_problem = accuracy_with_ci(per_problem_accuracy(results), n_boot=args.n_boot, seed=args.seed)
         print(f"pass@1 (mean over problems of the share of correct samples): {per_problem}")
         print("pass@k: " + "  ".join(f"k={k}: {v:.1%}" for k, v in curve.items()))
-    report_usage(service, None)
+    usage = Path(args.out).with_name(Path(args.out).stem + ".usage.json") if args.out is not None else None
+    try:
+        report_usage(service, None, usage)
+    except OSError as err:
+        print(f"{parser.prog}: error: cannot write {usage}: {err.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 

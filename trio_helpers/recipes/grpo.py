@@ -24,6 +24,7 @@ from trio_helpers.loop import total_steps_for
 from trio_helpers.recipes import (
     check_settings,
     connect_from_args,
+    load_data,
     loop_parser,
     print_dry_run,
     print_run_end,
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    check_settings(parser, args, config)
-    parser._resumable = bool(config.save_every)
+    check_settings(parser, args, config, "grpo")
+    parser._resumable, parser._run_dir = bool(config.save_every), config.run_dir
     if args.dry_run:
         from trio_helpers.data import load_gsm8k
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     service = connect_from_args(parser, args)
-    records = load_gsm8k("train")
+    records = load_data(parser, lambda: load_gsm8k("train"), "GSM8K train split, --backend")
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     total = total_steps_for(config, len(records))
     print(f"GRPO: {config.base_model}, {total} steps x {config.batch_size} prompts x {config.group_size} "

@@ -25,6 +25,7 @@ from trio_helpers.distillation import OPDConfig, OPDScorer, run_opd
 from trio_helpers.recipes import (
     check_settings,
     connect_from_args,
+    load_data,
     int_at_least,
     loop_parser,
     number_where,
@@ -79,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    check_settings(parser, args, config)
-    parser._resumable = bool(config.save_every)
+    check_settings(parser, args, config, "opd")
+    parser._resumable, parser._run_dir = bool(config.save_every), config.run_dir
     if args.dry_run:
         from trio_helpers.data import load_deepmath
 
@@ -91,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     service = connect_from_args(parser, args)
-    records = load_deepmath(sample_size=args.sample_size, seed=args.seed, num_shards=args.num_shards,
-                            local_dir=args.data_dir)
+    records = load_data(parser, lambda: load_deepmath(sample_size=args.sample_size, seed=args.seed,
+                                                      num_shards=args.num_shards, local_dir=args.data_dir),
+                        f"--data-dir {args.data_dir} --num-shards {args.num_shards}")
     if not records:
         parser.error(f"no prompts loaded (--sample-size {args.sample_size}, --num-shards {args.num_shards})")
     progress = args.progress if args.progress is not None else sys.stderr.isatty()

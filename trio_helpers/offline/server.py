@@ -562,6 +562,7 @@ def _plan(payload) -> tuple[TrainingBatchPlan, str]:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as pytrio's httpx pools connections
+    disable_nagle_algorithm = True  # headers and body go out in two writes: without it, ~40 ms delayed ACKs
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet by default
         pass

@@ -268,3 +268,25 @@ def test_an_unmodified_pytrio_script_runs_against_the_standalone_server(tmp_path
     finally:
         serve.terminate()
         serve.wait(timeout=10)
+
+
+def test_dropping_the_clients_ends_the_runs(server):
+    """pytrio 0.2.9 has no ``TrainingClient.close()`` and never sends ``trainer.end_run``: a run ends when the
+    last reference to its ``ServiceClient`` (and the clients derived from it) goes, and pytrio closes the service
+    session; until then heartbeats keep the run alive."""
+    import gc
+
+    svc = service_client(server, **FAST, actor_heartbeat_interval_seconds=1.0)
+    tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=1)
+    tc.forward(CE).result()
+    cuid = tc._training_run_cuid
+    assert not server.runs()[cuid]["ended"]
+    del tc
+    gc.collect()
+    beats = server.runs()[cuid]["heartbeats"]
+    time.sleep(1.5)
+    assert server.runs()[cuid]["heartbeats"] == beats  # the training client's heartbeat stopped with it
+    assert not server.runs()[cuid]["ended"]  # the ServiceClient still holds the session
+    del svc
+    gc.collect()
+    assert server.runs()[cuid]["ended"]

@@ -40,7 +40,6 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import msgpack
-import numpy as np
 from pytrio.client.training_batch import (CrossEntropyTrainingSample, GradientAccumulationTotals,
                                           PolicyTrainingSample, TrainingBatchChunk, TrainingBatchPlan,
                                           normalize_loss_fn)
@@ -71,7 +70,7 @@ from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 from pytrio.types import AdamParams, ModelInput, SamplingParams
 
 from trio_helpers.offline import catalog
-from trio_helpers.offline.ledger import Ledger, Usage
+from trio_helpers.offline.ledger import Usage
 from trio_helpers.offline.losses import resolve_loss_config
 from trio_helpers.offline.model import Adapter, TinyLM
 from trio_helpers.offline.service import (MAX_SEQ_LEN, OfflineOptions, OfflineSamplingClient, OfflineServiceClient,
@@ -289,7 +288,8 @@ class OfflineServer:
                 base_model = self._checkpoint_meta(request.source_checkpoint_uri)["base_model"]
             _check_model(base_model)
             if request.lora_rank not in range(4, 65):
-                raise HTTPError(400, "validation.invalid_lora_rank", f"rank must be in [4, 64]. Got {request.lora_rank}")
+                raise HTTPError(400, "validation.invalid_lora_rank",
+                                f"rank must be in [4, 64]. Got {request.lora_rank}")
             run = self._new_run("training", match[1], base_model, request)
             return TrainingRunCreateResponse(
                 training_run_cuid=run.cuid, service_session_cuid=run.session, workspace_cuid="ws-offline",

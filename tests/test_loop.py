@@ -417,3 +417,44 @@ def test_run_grpo_and_run_opd_are_run_loop_with_a_scorer(straight, service, tmp_
         config = replace(reference.config, run_dir=str(tmp_path / kind))
         direct = run_loop(service, list(records(kind)), config, scorer_of(config))
         assert without_timing(direct.history) == reference.rows
+
+
+# ------------------------------------------------------------------------------- steps that train nothing
+def test_a_step_that_trains_nothing_saves_no_second_sampler(service, home) -> None:
+    """With a constant reward every group is degenerate: nothing is sent, no optimizer step, so the weights of the
+    next version are the ones already saved, and the loop samples them again instead of saving them again."""
+    fresh = connect("offline", latency=0.0, home=home)
+    config = make_config("grpo", rollout="sync")
+    saves = []
+    rows = run_grpo(CountingService(fresh), list(records("grpo")), config, reward_fn=lambda text, record: 1.0,
+                    on_event=lambda what, step, t: saves.append(what) if what == "sample_start" else None).history
+    assert [r["train/datums"] for r in rows] == [0, 0, 0, 0]
+    assert [r["sampler/version"] for r in rows] == [0, 1, 2, 3]  # versions still count steps
+    assert len(saves) == 4 and fresh.usage().sampler_snapshots == 1  # one save for four steps
+
+
+def test_the_loop_sends_the_loss_config_its_clip_metrics_assume(service, monkeypatch) -> None:
+    """loss_fn_config=None: the service would apply its own defaults; the loop sends the merged defaults it
+    computes train/clip_frac with."""
+    from trio_helpers.losses import LOSS_CONFIG
+    from trio_helpers.offline.service import OfflineTrainingClient
+
+    sent = []
+    original = OfflineTrainingClient.forward_backward
+
+    def spy(self, data, loss_fn="cross_entropy", loss_fn_config=None, *args, **kwargs):
+        sent.append((loss_fn, loss_fn_config))
+        return original(self, data, loss_fn, loss_fn_config, *args, **kwargs)
+
+    monkeypatch.setattr(OfflineTrainingClient, "forward_backward", spy)
+    run("grpo", service, make_config("grpo", steps=1, loss_fn="ppo"))
+    run("grpo", service, make_config("grpo", steps=1, loss_fn="ppo", loss_fn_config={"clip_high_threshold": 1.5}))
+    run("grpo", service, make_config("grpo", steps=1))
+    assert sent == [("ppo", LOSS_CONFIG["ppo"]), ("ppo", {**LOSS_CONFIG["ppo"], "clip_high_threshold": 1.5}),
+                    ("importance_sampling", None)]
+
+
+def test_a_kl_penalty_needs_temperature_one() -> None:
+    with pytest.raises(ValueError, match=r"ref_kl_coef > 0 needs temperature 1, got temperature 0.7"):
+        make_config("grpo", ref_kl_coef=0.1, temperature=0.7).validate()
+    make_config("grpo", ref_kl_coef=0.1).validate()

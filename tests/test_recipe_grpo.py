@@ -114,11 +114,20 @@ def test_interrupted_without_checkpoints_says_so(monkeypatch, capsys) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(recipe, "run_grpo", interrupted)
-    assert recipe.main([*TINY, "--steps", "2", "--run-dir", "runs/i"]) == 130
+    assert recipe.main([*TINY, "--steps", "2", "--run-dir", "runs/i", "--save-every", "0"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [(f"{recipe.build_parser().prog}: interrupted; finished steps are in metrics.jsonl; no state "
                     "was saved (--save-every 0): rerun it")]
     assert grpo.run_grpo is not interrupted
+
+
+def test_recipes_save_a_state_every_20_steps_by_default() -> None:
+    """A long run on the service that fails should resume from a recent state (tinker-cookbook saves every 20)."""
+    from trio_helpers.recipes import opd
+
+    assert recipe.build_parser().parse_args([]).save_every == 20
+    assert opd.build_parser().parse_args([]).save_every == 20
+    assert recipe.build_parser().parse_args(["--save-every", "0"]).save_every == 0
 
 
 def test_python_dash_m_runs(tmp_path) -> None:

@@ -13,7 +13,9 @@ concurrently (at most ``max_concurrency`` in flight); ``"pipeline"`` also sample
 current one trains, from weights at most ``max_staleness`` updates old. Seeds are fixed per (seed, step, prompt),
 so the three modes give the same numbers whenever their samplers hold the same weights.
 
-**Sampler versions.** The weights' *version* is the number of optimizer steps applied. Batch ``s`` is sampled
+**Sampler versions.** The weights' *version* is the number of steps trained (a step whose groups were all
+degenerate sends nothing and applies no optimizer step, so its version holds the previous weights, and the loop
+reuses that sampler instead of saving the same weights again). Batch ``s`` is sampled
 from version ``v(s)``, a pure function of the config (never of timing): ``v(s) = max(b(s), s - max_staleness)``
 when pipelining, else ``v(s) = b(s) + k * floor((s - b(s)) / k)`` with ``k = sampler_refresh_steps``, where
 ``b(s)`` is the last *resume point* at or before ``s`` (step 0, and every multiple of ``save_every``). The pipeline
@@ -130,12 +132,13 @@ class LoopConfig:
         max_staleness: with ``"pipeline"``, how many updates a batch's sampler may lag behind (>= 1).
         sampler_refresh_steps: without pipelining, take a new sampler every this many steps (1 = every step).
         loss_fn: ``forward_backward``'s loss, one of :data:`LOSSES`.
-        loss_fn_config: passed to ``forward_backward`` unchanged (``None``: the service's defaults); checked
-            against :data:`trio_helpers.losses.LOSS_CONFIG` first.
+        loss_fn_config: the loss's settings, checked against :data:`trio_helpers.losses.LOSS_CONFIG` and sent to
+            ``forward_backward`` merged with its defaults (``None``: the defaults), so the service applies the
+            bounds the clip metrics assume.
         ref_kl_coef: weight of the KL penalty to the reference model (0: off). Each sampled token's advantage
             gets ``- ref_kl_coef * (logp_policy - logp_ref)``, with ``logp_ref`` from ``compute_logprobs`` of a
-            frozen sampler of the reference (chapter 09). Sample at temperature 1 with it: the policy logprobs
-            are those of the distribution sampled from.
+            frozen sampler of the reference (chapter 09). Needs temperature 1: the policy logprobs are then
+            those of the distribution sampled from (another temperature is refused).
         ref_model_path: sampler weights of the reference, trained from ``base_model`` (``None``: the base
             model itself).
 
@@ -216,6 +219,11 @@ class LoopConfig:
                                                 or not self.ref_model_path.strip()):
             raise ValueError(f"ref_model_path must be a save_weights_for_sampler path or None, got "
                              f"{self.ref_model_path!r}")
+        if self.ref_kl_coef > 0 and self.temperature != 1.0:
+            raise ValueError(f"ref_kl_coef > 0 needs temperature 1, got temperature {self.temperature!r}: the penalty "
+                             "reads the sampler's logprobs as the policy's, and at another temperature they are the "
+                             "logprobs of a sharpened or flattened distribution; sample at temperature 1 or set "
+                             "ref_kl_coef 0")
         if self.ref_model_path is not None and not self.ref_kl_coef:
             raise ValueError("ref_model_path is set but ref_kl_coef is 0, so the reference would never be "
                              "used; set ref_kl_coef > 0 or drop ref_model_path")
@@ -904,7 +912,8 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
     stop = stop_token_ids(run.tokenizer)
     limiter = _limiter(config, retries)
     ahead = config.max_staleness if config.rollout == "pipeline" else 0
-    samplers: dict[int, object] = {}
+    samplers: dict[int, object] = {}  # by the version whose weights they hold (see `same`)
+    same: dict[int, int] = {}  # version -> the earlier version with identical weights (a step trained nothing)
     pending: dict[int, tuple[int, object, asyncio.Task]] = {}
     sample_s: dict[int, float] = {}
     version, launched, t_prev = start, start, time.perf_counter()
@@ -929,10 +938,11 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                 v = sampler_version(config, launched, start)
                 if v > version:
                     break  # this batch needs weights that are not trained yet
-                if v not in samplers:
+                held = same.get(v, v)  # no second save of weights already saved
+                if held not in samplers:
                     t0 = time.perf_counter()
                     try:
-                        samplers[v] = await run.training_client.save_weights_and_get_sampling_client_async()
+                        samplers[held] = await run.training_client.save_weights_and_get_sampling_client_async()
                     except Exception as error:
                         if _service_error(error):
                             raise _Failed(step, "the sampler refresh (save_weights_and_get_sampling_client)",
@@ -940,7 +950,7 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                         raise
                     refresh_s += time.perf_counter() - t0
                 emit("sample_start", launched)
-                pending[launched] = (v, samplers[v], asyncio.ensure_future(sample(launched, samplers[v])))
+                pending[launched] = (v, samplers[held], asyncio.ensure_future(sample(launched, samplers[held])))
                 launched += 1
             v, sampler, task = pending.pop(step)
             t_wait = time.perf_counter()
@@ -961,6 +971,8 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                     raise _Failed(step, "a training call (forward_backward or optim_step)", error) from error
                 raise
             emit("train_end", step)
+            if metrics["train/datums"] == 0:  # nothing sent, no optim_step: the next version has these weights
+                same[version + 1] = same.get(version, version)
             version += 1
             now = time.perf_counter()
             metrics.update({"sampler/version": v, "sampler/staleness": step - v, "time/refresh_s": refresh_s,
@@ -976,7 +988,8 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                     raise _Failed(step, "writing the run directory (metrics.jsonl, checkpoints.json)",
                                   error) from error
                 raise
-            needed = {sampler_version(config, s, start) for s in range(step + 1, min(total, step + ahead + 2))}
+            needed = {same.get(sampler_version(config, s, start), sampler_version(config, s, start))
+                      for s in range(step + 1, min(total, step + ahead + 2))} | {same.get(version, version)}
             for old in [k for k in samplers if k not in needed and k < version]:
                 del samplers[old]
             if bar is not None:

@@ -281,7 +281,9 @@ def train_on_groups(
         adam_params: ``pytrio.AdamParams`` of this step (its ``learning_rate`` may follow a schedule).
         skip_degenerate: leave degenerate groups out (see :func:`group_datums`).
         loss_fn: the policy-gradient loss (``"importance_sampling"``; chapter 08 compares the others).
-        loss_fn_config: passed to ``forward_backward`` unchanged (e.g. clip bounds).
+        loss_fn_config: the loss's settings (e.g. clip bounds); merged with the book's defaults
+            (:data:`trio_helpers.losses.LOSS_CONFIG`) and sent in full, so the service clips with the very bounds
+            ``train/clip_frac`` is computed with (``None`` would let the service apply its own defaults).
 
     Returns:
         The step's training metrics: ``train/datums`` sent, ``train/tokens`` (model-input tokens sent),
@@ -305,7 +307,10 @@ def train_on_groups(
     if not data:
         metrics["train/loss"] = float("nan")
         return metrics
-    out = training_client.forward_backward(data, loss_fn, loss_fn_config).result()
+    from trio_helpers.losses import LOSS_CONFIG, check_loss_config
+
+    sent = (check_loss_config(loss_fn, loss_fn_config) or None) if loss_fn in LOSS_CONFIG else loss_fn_config
+    out = training_client.forward_backward(data, loss_fn, sent).result()
     metrics["train/loss"] = float(out.metrics.get("loss_mean", float("nan")))
     metrics.update(ratio_metrics(data, out, loss_fn, loss_fn_config))
     optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded

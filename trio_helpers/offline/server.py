@@ -91,7 +91,7 @@ def _now() -> datetime:
 def _unit(*parts: object) -> float:
     """A number in [0, 1) determined by ``parts`` (the seeded fault draws)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 class HTTPError(Exception):

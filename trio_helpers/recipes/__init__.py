@@ -106,6 +106,11 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="show a progress bar (default: only when stderr is a terminal)")
 
 
+# A run on the service that fails after hours should resume from a recent state: recipes save one every 20 steps
+# unless told otherwise (tinker-cookbook's default; a state costs one save_state, about the adapter's size on disk).
+RECIPE_SAVE_EVERY = 20
+
+
 def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse.ArgumentParser:
     """The parser of the loop's settings, shared by the GRPO and OPD recipes (defaults from ``defaults``, a
     :class:`trio_helpers.loop.LoopConfig`). Flag names follow the PyTRIO examples.
@@ -134,8 +139,9 @@ def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse
     p.add_argument("--top-k", type=int, default=d.top_k, help="top-k sampling (-1: off)")
     p.add_argument("--seed", type=int_at_least(0), default=d.seed, help="seed of the adapter and of every request")
     p.add_argument("--all-data", action="store_true", help="one pass over the data, no wrap-around")
-    p.add_argument("--save-every", type=int_at_least(0), default=d.save_every,
-                   help="save the training state every N steps (0: never); needed for --resume")
+    p.add_argument("--save-every", type=int_at_least(0), default=RECIPE_SAVE_EVERY,
+                   help=f"save the training state every N steps (0: never; default {RECIPE_SAVE_EVERY}, as "
+                        "tinker-cookbook); needed for --resume")
     p.add_argument("--run-dir", default=run_dir, help="directory for metrics.jsonl, checkpoints.json, config.json")
     p.add_argument("--resume", action="store_true", help="continue from the last saved state in --run-dir")
     p.add_argument("--weights-name", default=d.weights_name, help="name of the final sampler weights")

@@ -54,13 +54,13 @@ def small() -> dict[str, str]:
     data = []
     for i, seq in enumerate(completion.sequences):
         tokens = prompt + list(seq.tokens)
-        n = len(tokens)
+        n, pad = len(tokens), [0.0] * (len(prompt) - 1)
         data.append(Datum(
             model_input=trio.ModelInput.from_ints(tokens[:-1]),
             loss_fn_inputs={
                 "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
-                "logprobs": TensorData.from_numpy(np.array([0.0] * (len(prompt) - 1) + list(seq.logprobs)) - 0.1),
-                "advantages": TensorData.from_numpy(np.array([0.0] * (len(prompt) - 1) + [1.0 - 2 * i] * (n - len(prompt)))),
+                "logprobs": TensorData.from_numpy(np.array(pad + list(seq.logprobs)) - 0.1),
+                "advantages": TensorData.from_numpy(np.array(pad + [1.0 - 2 * i] * (n - len(prompt)))),
             }))
     fb = tc.forward_backward(data, loss_fn="ppo").result()
     out["forward_backward"] = digest(np.array([fb.metrics["loss_sum"]]), *(tc._grads[k] for k in ("A", "B", "C")))

@@ -27,9 +27,10 @@ _SPECS = {
     TINY.name: TINY,
 }
 
-# sha256 of the fitted E, W and b (float64 bytes, trio_helpers.offline.fit.weights_digest) behind the book's committed
-# outputs: the same on every computer (the arithmetic is exact, see trio_helpers/offline/exact.py). tests/test_offline_fit.py
-# and tests/test_portability.py compare. Change them only together with re-executing every chapter (make notebooks).
+# sha256 of the fitted E, W and b (float64 bytes, trio_helpers.offline.fit.weights_digest) behind the book's
+# committed outputs: the same on every computer (the arithmetic is exact, see trio_helpers/offline/exact.py).
+# tests/test_offline_fit.py and tests/test_portability.py compare. Change them only together with re-executing every
+# chapter (make notebooks).
 BOOK_WEIGHTS = {
     "student": "a6df842b605de8d088a82b1249bdbfc92f8db4de44e6837526961127977f34f6",
     "teacher": "094aa2c5c63abc3d4cb8a8a7419b02b56e627c5b3746c588cbb597ec810ed3b6",

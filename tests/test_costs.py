@@ -1,11 +1,14 @@
 """The cost ledger in Qwen tokens (``trio_helpers.costs``), ``--dry-run``, and the introduction's cost table.
 
-The introduction's table must say exactly what each chapter's own ledger says: every chapter ends with a cell
-that prints ``chapter_bill(...)``, whose last two lines (strict nbval re-checks them on every run) are the row.
+The introduction's tables must say what ``tools/cost_table.py`` computes from each chapter's recorded run:
+every chapter ends with a cell that prints ``chapter_bill(...)`` (strict nbval re-checks it on every run), and
+the tool's measurement of a chapter must have recorded exactly that output.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_helpers.costs import TOKEN_RATIO, bill_line, chapter_bill, config_bill, real_tokens
+from trio_helpers.costs import (TOKEN_RATIO, TYPICAL_COMPLETION_TOKENS, bill_line, chapter_bill, config_bill,
+                                real_tokens, service_cost)
 from trio_helpers.offline.ledger import Usage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,9 +101,64 @@ def test_every_chapter_ends_with_its_bill() -> None:
     assert sorted(bills) == chapters, f"chapters without a chapter_bill cell: {set(chapters) - set(bills)}"
 
 
-def test_the_introductions_cost_table_equals_the_chapters_ledgers() -> None:
+def _cost_table_tool():
+    spec = importlib.util.spec_from_file_location("cost_table", ROOT / "tools" / "cost_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_service_cost_bounds_completions_by_max_tokens() -> None:
+    u = Usage(requests=10, samples=12, prompt_tokens=1000, sampled_tokens=900, training_runs=2,
+              sampler_snapshots=3, sampler_weights_saved=1)
+    c = service_cost(u, {256: 8, 1024: 4})
+    assert c.completion_bound == 8 * 256 + 4 * 1024
+    assert c.completion_typical == 8 * 256 + 4 * TYPICAL_COMPLETION_TOKENS
+    assert c.prompt_tokens == pytest.approx(1000 * TOKEN_RATIO["prompt"])
+    assert (c.training_runs, c.sampler_saves, c.requests, c.samples) == (2, 4, 10, 12)
+    with pytest.raises(ValueError, match="samples"):
+        service_cost(u, {256: 11})
+
+
+def test_offline_only_services_cost_nothing_on_the_service() -> None:
+    """A chapter whose every service is connect("offline", ...) sends nothing after `trio login`; a chapter's
+    forced-offline side services (fault injection) are billed apart; its `service` counts even when the offline
+    run replaced it with a forced-offline twin (chapters 04 and 05)."""
+    tool = _cost_table_tool()
+    used = {"requests": 5, "samples": 2, "training_runs": 1}
+
+    def svc(is_service, forced, usage):
+        return {"is_service": is_service, "forced_offline": forced, "usage": usage, "max_tokens": {"256": 2}}
+
+    only_offline = {"services": [svc(False, True, used), svc(False, True, used)]}
+    (on, on_limits), (off, off_limits) = tool.split(only_offline)
+    assert on.requests == 0 and on_limits == {} and off.requests == 10 and off_limits == {256: 4}
+    replaced = {"services": [svc(False, False, {}), svc(True, True, used), svc(False, True, used)]}
+    (on, _), (off, _) = tool.split(replaced)
+    assert on.requests == 5 and off.requests == 5
+
+
+def test_the_cost_measurements_are_the_committed_notebooks() -> None:
+    """Each chapter's measurement was taken from the committed notebook: the chapter_bill output it recorded is
+    the notebook's. After re-executing a chapter, run `python tools/cost_table.py NN`."""
+    problems = [p for p in _cost_table_tool().stale() if "book/intro.md" not in p]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_introductions_cost_table_equals_what_the_tool_computes() -> None:
+    tool = _cost_table_tool()
     intro = (ROOT / "book" / "intro.md").read_text(encoding="utf-8")
-    rows = dict(re.findall(r"^\|\s*(\d\d)\s*\|[^|]*\|\s*(inference [^|]+?)\s*\|", intro, re.M))
-    bills = _chapter_bills()
-    assert rows, "book/intro.md has no cost table rows (| NN | chapter | inference ... |)"
-    assert rows == bills
+    assert tool.intro_table(intro) == tool.render(tool.load()), "run: python tools/cost_table.py --write-only"
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "opd"])
+def test_help_states_each_default_once(recipe, capsys) -> None:
+    module = importlib.import_module(f"trio_helpers.recipes.{recipe}")
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    text = capsys.readouterr().out
+    # argparse wraps help text: join each option's lines before counting
+    entries = re.split(r"\n  (?=-)", re.sub(r"\n\s{20,}", " ", text))
+    twice = [e for e in entries if e.lower().count("default") > 1]
+    assert not twice, twice
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -21,12 +21,21 @@ model, so converted counts say what *the offline run's text* would cost, a lower
 run with the same settings. Where a count mixes prompt and completion tokens without saying how many of each
 (``compute_logprobs``), :func:`real_tokens` gives a range between the two ratios.
 
-Introduced in: chapter 04 (notebooks/04_grpo_sync); every chapter's cost table uses :func:`chapter_bill`.
+What the converted counts miss: the offline model's ``max_tokens`` counts bytes, so a 256-token limit stops an
+offline completion at 256 bytes (about 138 Qwen tokens) and offline completions average about 92 Qwen tokens, while
+the same setting lets a real model write 256 Qwen tokens. A budget therefore uses :func:`service_cost`: completion
+tokens as an upper bound (samples x ``max_tokens``, which the service counts in Qwen tokens) next to a typical
+figure scaled from the *GSM8K* example's reference run (:data:`TYPICAL_COMPLETION_TOKENS`). The introduction's
+table comes from it (``python tools/cost_table.py``).
+
+Introduced in: chapter 04 (notebooks/04_grpo_sync); every chapter's cost table uses :func:`chapter_bill`; the
+introduction's (book/intro.md) uses :func:`service_cost`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 TOKEN_RATIO = {"prompt": 0.29, "completion": 0.54}
@@ -176,3 +185,70 @@ def config_bill(config, prompt_tokens: int, steps: int | None = None) -> dict[st
     out["sampler_snapshots"] = float(math.ceil(steps / config.sampler_refresh_steps))
     out["states_saved"] = float(steps // config.save_every) if config.save_every else 0.0
     return out
+
+
+TYPICAL_COMPLETION_TOKENS = 470
+"""Qwen tokens per sampled sequence in the *GSM8K* example's reference run (``Qwen/Qwen3.5-4B``, at most 512 new
+tokens, temperature 0.7): about 1.2M inference tokens for 2,048 training samples (512 problems x 4) and 512
+greedy evaluation answers (256 test problems, base and trained), 1.2M / 2,560 = 469. It counts the prompt too,
+so as a completion length it errs high."""
+
+
+@dataclass(frozen=True)
+class ServiceCost:
+    """What some requests would cost on the real service, in the service's own units.
+
+    Attributes:
+        training_runs: training clients created (each a training run, billed while it lives).
+        sampler_saves: weights saved for a sampler (``save_weights_and_get_sampling_client`` and
+            ``save_weights_for_sampler``).
+        requests: requests sent.
+        prompt_tokens: sampling prompt tokens in Qwen tokens (the offline prompts' bytes x
+            ``TOKEN_RATIO["prompt"]``; a prompt is read once per ``sample`` call).
+        samples: sequences sampled.
+        completion_bound: the most completion tokens those samples can bill: each sample x its request's
+            ``max_tokens`` (which the service counts in Qwen tokens).
+        completion_typical: each sample x ``min(max_tokens, TYPICAL_COMPLETION_TOKENS)``.
+
+    Introduced in: the introduction (book/intro.md, "What it costs").
+    """
+
+    training_runs: int
+    sampler_saves: int
+    requests: int
+    prompt_tokens: float
+    samples: int
+    completion_bound: int
+    completion_typical: int
+
+
+def service_cost(usage, samples_by_max_tokens: Mapping[int, int]) -> ServiceCost:
+    """The service's bill for requests an offline ledger counted.
+
+    Args:
+        usage: the offline ``Usage`` of the requests (its token counts are bytes).
+        samples_by_max_tokens: ``{max_tokens: number of sequences sampled with that limit}`` for the same
+            requests (``tools/cost_table.py`` records it while it re-runs a chapter).
+
+    Returns:
+        A :class:`ServiceCost`: counts as the ledger has them, sampling prompts converted with
+        :data:`TOKEN_RATIO`, and completion tokens as an upper bound and a typical figure.
+
+    Raises:
+        ValueError: the samples in ``samples_by_max_tokens`` do not add up to ``usage.samples``.
+
+    Introduced in: the introduction (book/intro.md, "What it costs").
+    """
+    counts = {int(m): int(n) for m, n in samples_by_max_tokens.items()}
+    if sum(counts.values()) != usage.samples:
+        raise ValueError(f"samples_by_max_tokens counts {sum(counts.values())} samples, the usage "
+                         f"{usage.samples}: record both from the same requests")
+    return ServiceCost(
+        training_runs=usage.training_runs,
+        sampler_saves=usage.sampler_snapshots + usage.sampler_weights_saved,
+        requests=usage.requests,
+        prompt_tokens=usage.prompt_tokens * TOKEN_RATIO["prompt"],
+        samples=usage.samples,
+        completion_bound=sum(m * n for m, n in counts.items()),
+        completion_typical=sum(min(m, TYPICAL_COMPLETION_TOKENS) * n for m, n in counts.items()),
+    )

@@ -111,6 +111,20 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
 RECIPE_SAVE_EVERY = 20
 
 
+class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default stated once: ``(default: X)`` is appended only when the help text
+    does not already speak of a default and there is one to state (not None, not a flag's False).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse.ArgumentParser:
     """The parser of the loop's settings, shared by the GRPO and OPD recipes (defaults from ``defaults``, a
     :class:`trio_helpers.loop.LoopConfig`). Flag names follow the PyTRIO examples.
@@ -121,7 +135,7 @@ def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse
 
     d = defaults
     p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsOnceFormatter)
     pos = int_at_least(1)
     p.add_argument("--steps", type=pos, default=d.steps, help="training steps (ignored with --all-data)")
     p.add_argument("--batch-size", type=pos, default=d.batch_size, help="prompts per step")

@@ -151,7 +151,7 @@ def test_the_introductions_cost_table_equals_what_the_tool_computes() -> None:
     assert tool.intro_table(intro) == tool.render(tool.load()), "run: python tools/cost_table.py --write-only"
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "opd"])
+@pytest.mark.parametrize("recipe", ["grpo", "opd", "evaluate"])
 def test_help_states_each_default_once(recipe, capsys) -> None:
     module = importlib.import_module(f"trio_helpers.recipes.{recipe}")
     with pytest.raises(SystemExit):

@@ -30,7 +30,8 @@ from trio_helpers.evaluation import (
     save_records,
     summary_rows,
 )
-from trio_helpers.recipes import add_backend_flags, check_settings, connect_from_args, load_data, report_usage
+from trio_helpers.recipes import (DefaultsOnceFormatter, add_backend_flags, check_settings, connect_from_args, load_data,
+                                   report_usage)
 from trio_helpers.loop import MAX_SEQ_LEN
 from trio_helpers.recipes import int_at_least as _int_at_least
 
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trio_helpers.recipes.evaluate",
         description="Evaluate a base model or a saved checkpoint on GSM8K (chapter 07 of the book).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnceFormatter,
     )
     pos = _int_at_least(1)
     p.add_argument("--base-model", default="Qwen/Qwen3.5-4B", help="the base model (of the checkpoint)")

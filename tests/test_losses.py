@@ -4,7 +4,9 @@
   differences in ``lp``; for ``cispo`` with its stop-gradient weight held fixed, as the loss defines it);
 - both equal the offline trainer's exact per-token losses (``trio_helpers.offline.losses.per_token_loss``), so the
   curves of chapter 08 are the losses the offline backend trains with;
-- clip masks at known points; bad input: an unknown loss lists the supported ones, a key the loss does not take names
+- clip masks at known points, including hand-computed cases of ``cispo``'s one-sided clip (the default, as Tinker
+  documents it and MiniMax-M1 published it) and its equality with ``importance_sampling`` below the upper bound;
+  the offline trainer's defaults and checks are the book's; bad input: an unknown loss lists the supported ones, a key the loss does not take names
   the loss and its keys, clip bounds in the wrong order are refused;
 - the GRPO and OPD recipes train with ``--loss-fn ppo`` and ``--loss-fn cispo`` (tiny offline runs).
 
@@ -23,8 +25,9 @@ from trio_helpers.losses import LOSS_CONFIG, check_loss_config, clipped_mask, to
 from trio_helpers.offline.losses import per_token_loss
 
 LOSSES = tuple(LOSS_CONFIG)
-# Ratios on both sides of the default bounds (0.8, 1.2), none on a kink (there the derivative is one-sided).
-RHO = np.array([0.3, 0.55, 0.79, 0.81, 0.95, 1.0, 1.05, 1.19, 1.21, 1.6, 3.0])
+# Ratios on both sides of ppo's bounds (0.8, 1.2) and cispo's upper one (4), none on a kink (there the derivative is
+# one-sided).
+RHO = np.array([0.3, 0.55, 0.79, 0.81, 0.95, 1.0, 1.05, 1.19, 1.21, 1.6, 3.0, 3.99, 4.01, 9.0])
 ADVANTAGES = (1.0, -0.7, 0.25)
 
 
@@ -72,11 +75,60 @@ def test_ppo_clips_only_once_the_ratio_moved_the_way_the_advantage_wants() -> No
     assert clipped_mask("ppo", rho, 1.0, wider).tolist() == [False, False, False]
 
 
-def test_cispo_clips_the_weight_on_both_sides_and_keeps_every_gradient() -> None:
+def test_cispo_is_one_sided_by_default_hand_computed() -> None:
+    """Default bounds (0, 4): the weight is min(rho, 4); nothing is clipped from below, however small the ratio."""
+    rho = np.array([0.02, 0.5, 1.0, 3.0, 5.0, 10.0])
+    assert clipped_mask("cispo", rho, 1.0).tolist() == [False, False, False, False, True, True]
+    assert clipped_mask("cispo", rho, -1.0).tolist() == [False, False, False, False, True, True]
+    # push = -d loss / d lp = clip(rho, 0, 4) * A, by hand:
+    assert (-token_gradient("cispo", rho, 1.0)).tolist() == [0.02, 0.5, 1.0, 3.0, 4.0, 4.0]
+    assert (-token_gradient("cispo", rho, -0.5)).tolist() == [-0.01, -0.25, -0.5, -1.5, -2.0, -2.0]
+    # the objective sg(w) * A * lp at old = 0: w = 0.5, A = 2 -> 0.5 * 2 * log(0.5); w = 4 (clipped), A = 1 -> 4 * log 5
+    assert token_loss("cispo", np.array([0.5, 5.0]), np.array([2.0, 1.0])).tolist() == pytest.approx(
+        [-1.0 * np.log(0.5), -4.0 * np.log(5.0)])
+
+
+def test_cispo_with_a_lower_bound_clips_both_sides() -> None:
     rho = np.array([0.7, 1.0, 1.3])
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     for adv in (1.0, -1.0):
-        assert clipped_mask("cispo", rho, adv).tolist() == [True, False, True]
-        assert token_gradient("cispo", rho, adv).tolist() == pytest.approx([-0.8 * adv, -adv, -1.2 * adv])
+        assert clipped_mask("cispo", rho, adv, config).tolist() == [True, False, True]
+        assert token_gradient("cispo", rho, adv, config).tolist() == pytest.approx([-0.8 * adv, -adv, -1.2 * adv])
+    one_sided = {"clip_low_threshold": 0.0, "clip_high_threshold": 1.2}  # low = 0 is accepted: no lower bound
+    assert clipped_mask("cispo", rho, 1.0, one_sided).tolist() == [False, False, True]
+    assert token_gradient("cispo", rho, 1.0, one_sided).tolist() == pytest.approx([-0.7, -1.0, -1.2])
+
+
+@pytest.mark.parametrize("config", [None, {"clip_high_threshold": 1.2}, {"clip_high_threshold": 8.0}])
+def test_one_sided_cispo_pushes_like_importance_sampling_below_the_upper_bound(config) -> None:
+    """Where no ratio exceeds the upper bound, one-sided cispo's gradient is importance_sampling's, bit for bit;
+    above it, the weight is the bound."""
+    hi = check_loss_config("cispo", config)["clip_high_threshold"]
+    rng = np.random.default_rng(0)
+    rho = np.exp(rng.uniform(np.log(1e-3), np.log(hi), 200))
+    adv = rng.normal(size=200)
+    assert (token_gradient("cispo", rho, adv, config) == token_gradient("importance_sampling", rho, adv)).all()
+    assert not clipped_mask("cispo", rho, adv, config).any()
+    above = hi * np.array([1.01, 2.0, 50.0])
+    np.testing.assert_array_equal(token_gradient("cispo", above, 1.0, config), -hi)
+    assert clipped_mask("cispo", above, 1.0, config).all()
+
+
+def test_offline_trainer_has_the_books_defaults_and_checks() -> None:
+    from trio_helpers.offline.losses import LOSS_CONFIG_KEYS, resolve_loss_config
+
+    for loss, defaults in LOSS_CONFIG.items():
+        assert LOSS_CONFIG_KEYS[loss] == defaults
+        assert resolve_loss_config(loss, None) == check_loss_config(loss)
+    assert LOSS_CONFIG["cispo"] == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    for loss in ("ppo", "cispo"):
+        for good in ({"clip_low_threshold": 0}, {"clip_low_threshold": 1, "clip_high_threshold": 1}):
+            assert resolve_loss_config(loss, good) == check_loss_config(loss, good)
+        for bad in ({"clip_low_threshold": -0.1}, {"clip_low_threshold": 1.1}, {"clip_high_threshold": 0.9}):
+            with pytest.raises(ValueError):
+                check_loss_config(loss, bad)
+            with pytest.raises(ValueError):
+                resolve_loss_config(loss, bad)
 
 
 @pytest.mark.parametrize("loss", ["importance_sampling", "dro"])
@@ -87,8 +139,11 @@ def test_importance_sampling_and_dro_never_clip(loss) -> None:
 def test_defaults_and_overrides() -> None:
     assert check_loss_config("importance_sampling") == {}
     assert check_loss_config("ppo") == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-    assert check_loss_config("cispo", {"clip_high_threshold": 1.28}) == {"clip_low_threshold": 0.8,
+    assert check_loss_config("cispo") == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert check_loss_config("cispo", {"clip_high_threshold": 1.28}) == {"clip_low_threshold": 0.0,
                                                                          "clip_high_threshold": 1.28}
+    assert check_loss_config("ppo", {"clip_low_threshold": 0}) == {"clip_low_threshold": 0.0,
+                                                                   "clip_high_threshold": 1.2}
     assert check_loss_config("dro", {"beta": 0}) == {"beta": 0.0}
 
 
@@ -120,12 +175,12 @@ def test_a_key_the_loss_does_not_take_names_the_loss_and_its_keys(loss, config, 
         {"clip_low_threshold": 1.2, "clip_high_threshold": 0.8},  # swapped
         {"clip_low_threshold": 1.1},  # low above 1
         {"clip_high_threshold": 0.9},  # high below 1
-        {"clip_low_threshold": 0.0},  # low not positive
+        {"clip_low_threshold": -0.2},  # low negative (0 is accepted: no lower bound)
     ],
 )
 @pytest.mark.parametrize("loss", ["ppo", "cispo"])
 def test_clip_bounds_in_the_wrong_order_are_refused(loss, config) -> None:
-    with pytest.raises(ValueError, match=rf"clip bounds of '{loss}' must satisfy 0 < clip_low_threshold <= 1 <= "
+    with pytest.raises(ValueError, match=rf"clip bounds of '{loss}' must satisfy 0 <= clip_low_threshold <= 1 <= "
                                          "clip_high_threshold"):
         check_loss_config(loss, config)
 

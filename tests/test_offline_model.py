@@ -208,7 +208,8 @@ def _xent_batch(rng, auto_shift: bool):
 
 
 def _cispo_as_weighted_xent(tc, data, config):
-    lo, hi = (config or {}).get("clip_low_threshold", 0.8), (config or {}).get("clip_high_threshold", 1.2)
+    # cispo's documented defaults: one-sided, no lower bound (0) and 4 above
+    lo, hi = (config or {}).get("clip_low_threshold", 0.0), (config or {}).get("clip_high_threshold", 4.0)
     current = tc.forward(data, loss_fn="cispo", loss_fn_config=config).result().loss_fn_outputs
     out = []
     for d, lo_out in zip(data, current):
@@ -233,6 +234,7 @@ FD_CASES = [
     ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, False),
     ("cispo", None, False),
     ("cispo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.01}, False),
+    ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 1.01}, False),
     ("dro", None, False),
     ("dro", {"beta": 0.5}, True),
 ]
@@ -315,7 +317,10 @@ def test_rounded_products_give_the_float64_gradients_to_their_precision(svc, los
 def _documented_loss(loss_fn, lp, old, adv, w, cfg):
     """The per-token losses of the table in trio_helpers/offline/losses.py, written out independently."""
     r = np.exp(lp - old)
-    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    # the documented defaults: ppo [0.8, 1.2]; cispo one-sided, no lower bound (0) and 4 above
+    default_lo, default_hi = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}.get(loss_fn, (None, None))
+    lo = cfg.get("clip_low_threshold", default_lo)
+    hi = cfg.get("clip_high_threshold", default_hi)
     return {
         "cross_entropy": lambda: -w * lp,
         "importance_sampling": lambda: -r * adv,

@@ -9,14 +9,21 @@ loss                   per-token loss                                   d loss /
 =====================  ===============================================  ============================================
 importance_sampling    ``-rho * A``                                     ``-rho * A``
 ppo                    ``-min(rho * A, clip(rho, lo, hi) * A)``         ``-rho * A`` unclipped, ``0`` where clipped
-cispo                  ``-stopgrad(clip(rho, lo, hi)) * A * lp``        ``-clip(rho, lo, hi) * A``
+cispo                  ``-stopgrad(clip(rho, lo, hi)) * A * lp``        ``-clip(rho, lo, hi) * A`` (``lo = 0``: no
+                                                                        lower bound, the default)
 dro                    ``-(A * lp - beta / 2 * (lp - old) ** 2)``       ``-(A - beta * log rho)``
 =====================  ===============================================  ============================================
 
 ``loss_fn_config`` keys and defaults (:data:`LOSS_CONFIG`): pytrio 0.2.9 sends the dict to the service unchanged
-and documents no keys, so the names and defaults here are *our reading*: the clip thresholds follow PPO
-(Schulman et al., 2017) and tinker-cookbook's naming, ``beta`` follows DRO's quadratic penalty; the offline
-backend implements exactly these. On the real service, check its documentation before relying on a key.
+and documents no keys, so the names and defaults here are *our reading* of the Tinker documentation (a service
+with the same API shape): ``ppo`` clips the ratio to ``[0.8, 1.2]`` (PPO, Schulman et al., 2017); ``cispo`` is
+one-sided, ``clip_low_threshold=0`` (no lower bound: the ratio is positive) and ``clip_high_threshold=4``, as
+tinker-cookbook's loss-function tutorial documents it and as CISPO was published (MiniMax-M1, 2025, sets no lower
+bound on the importance weight and tunes only the upper one; ScaleRL, Khatri et al., 2025, uses
+``clip(rho, 0, eps_max)``); ``beta=0.05`` is DRO's quadratic penalty. The offline backend implements exactly
+these. The loop (:func:`trio_helpers.rl.train_on_groups`) always sends the config merged with these defaults, so
+the service never falls back to defaults of its own that could differ from the bounds ``train/clip_frac`` is
+computed with. On the real service, check its documentation before relying on a key.
 
 Introduced in: chapter 08 (notebooks/08_losses).
 """
@@ -31,7 +38,7 @@ import numpy as np
 LOSS_CONFIG: dict[str, dict[str, float]] = {
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
 }
 """Policy losses and the ``loss_fn_config`` keys each takes, with defaults (our reading; see the module doc)."""
@@ -50,7 +57,7 @@ def check_loss_config(loss_fn: str, config: dict | None = None) -> dict[str, flo
     Raises:
         ValueError: an unknown loss (listing the supported ones), a key the loss does not take (naming the loss
             and its keys), a non-numeric or non-finite value, clip bounds in the wrong order
-            (need ``0 < low <= 1 <= high``), or a negative ``beta``.
+            (need ``0 <= low <= 1 <= high``; ``low = 0`` means no lower bound), or a negative ``beta``.
 
     Introduced in: chapter 08 (notebooks/08_losses).
     """
@@ -69,9 +76,10 @@ def check_loss_config(loss_fn: str, config: dict | None = None) -> dict[str, flo
     merged = {**defaults, **{k: float(v) for k, v in config.items()}}
     if "clip_low_threshold" in merged:
         lo, hi = merged["clip_low_threshold"], merged["clip_high_threshold"]
-        if not 0 < lo <= 1 <= hi:
-            raise ValueError(f"clip bounds of {loss_fn!r} must satisfy 0 < clip_low_threshold <= 1 <= "
-                             f"clip_high_threshold, got {lo} and {hi}; e.g. 0.8 and 1.2")
+        if not 0 <= lo <= 1 <= hi:
+            raise ValueError(f"clip bounds of {loss_fn!r} must satisfy 0 <= clip_low_threshold <= 1 <= "
+                             f"clip_high_threshold, got {lo} and {hi}; e.g. 0.8 and 1.2 (0 and 4 for "
+                             f"cispo's one-sided default)")
     if merged.get("beta", 0.0) < 0:
         raise ValueError(f"beta of 'dro' must be >= 0, got {merged['beta']}")
     return merged
@@ -125,7 +133,8 @@ def token_gradient(loss_fn: str, rho, adv, config: dict | None = None):
 
 def clipped_mask(loss_fn: str, rho, adv, config: dict | None = None) -> np.ndarray:
     """Which tokens the loss clips: ``ppo``, where the clipped term is the smaller one (no gradient); ``cispo``,
-    where the ratio weight is outside the bounds. Never for ``importance_sampling`` and ``dro``.
+    where the ratio weight is outside the bounds (with the default ``clip_low_threshold=0``, only above
+    ``clip_high_threshold``). Never for ``importance_sampling`` and ``dro``.
 
     Introduced in: chapter 08 (notebooks/08_losses).
     """

@@ -24,9 +24,14 @@ cross_entropy           ``-w * lp`` (``w`` = ``weights``, default 1)            
 importance_sampling     ``-r * A``                                                      none
 ppo                     ``-min(r * A, clip(r, lo, hi) * A)``                            clip_low_threshold (0.8),
                                                                                        clip_high_threshold (1.2)
-cispo                   ``-stopgrad(clip(r, lo, hi)) * A * lp``                         same thresholds as ppo
+cispo                   ``-stopgrad(clip(r, lo, hi)) * A * lp``                         clip_low_threshold (0: no
+                                                                                       lower bound),
+                                                                                       clip_high_threshold (4.0)
 dro                     ``-(A * lp - beta / 2 * (lp - old) ** 2)``                      beta (0.05)
 =====================  ==============================================================  ==========================
+
+The defaults and checks are those of the book's ``trio_helpers.losses`` (``LOSS_CONFIG``, ``check_loss_config``;
+a test keeps them equal): ``cispo`` is one-sided by default, as Tinker documents it and as MiniMax-M1 published it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ LOSS_CONFIG_KEYS = {
     "cross_entropy": {},
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
 }
 
@@ -58,9 +63,9 @@ def resolve_loss_config(loss_fn: str, config: dict[str, object] | None) -> dict[
             f"loss_fn_config has keys {unknown} that loss {loss_fn!r} does not use; it accepts {allowed}."
         )
     merged = {**defaults, **{k: float(v) for k, v in config.items()}}
-    if "clip_low_threshold" in merged and not 0 < merged["clip_low_threshold"] <= 1 <= merged["clip_high_threshold"]:
+    if "clip_low_threshold" in merged and not 0 <= merged["clip_low_threshold"] <= 1 <= merged["clip_high_threshold"]:
         raise ValueError(
-            "ppo/cispo clip thresholds are bounds on the ratio exp(lp - old): need 0 < clip_low_threshold <= 1 <= "
+            "ppo/cispo clip thresholds are bounds on the ratio exp(lp - old): need 0 <= clip_low_threshold <= 1 <= "
             f"clip_high_threshold, got {merged['clip_low_threshold']} and {merged['clip_high_threshold']}."
         )
     return merged

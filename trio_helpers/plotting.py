@@ -1,13 +1,47 @@
-"""Small plotting helpers for training curves (matplotlib is imported only when a plot is drawn).
+"""What a page shows: small plotting helpers for training curves (matplotlib is imported only when a plot is drawn),
+and :func:`glue` for the numbers a sentence quotes.
 
-Introduced in: chapter 04 (notebooks/04_grpo_sync).
+Introduced in: chapter 04 (notebooks/04_grpo_sync); :func:`glue` in chapter 01.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
 import numpy as np
+
+SIGNIFICANT = 6
+"""Significant digits a glued float keeps: more than any sentence of the book shows."""
+
+
+def rounded(value, significant: int = SIGNIFICANT):
+    """``value`` as a page should store it: a float (Python or numpy) rounded to ``significant`` significant digits
+    (a whole number from ``10**significant`` on is kept whole, so counts stay exact); anything else unchanged.
+
+    Introduced in: chapter 01 (notebooks/01_gsm8k_data).
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (float, np.floating)):
+        return value
+    value = float(value)
+    if not math.isfinite(value) or value == 0.0:
+        return value
+    if abs(value) >= 10.0**significant:
+        return float(round(value))
+    return float(f"{value:.{significant}g}")
+
+
+def glue(name: str, value, display: bool = False):
+    """``myst_nb.glue`` for the book's pages: a float is stored at :data:`SIGNIFICANT` significant digits
+    (:func:`rounded`), not the 17 of its ``repr``, so the notebook records what the prose reads (``{glue:text}``
+    formats it further) and not noise in the last digits.
+
+    Introduced in: chapter 01 (notebooks/01_gsm8k_data).
+    """
+    from myst_nb import glue as myst_glue
+
+    return myst_glue(name, rounded(value), display=display)
 
 
 def rolling_mean(values: Sequence[float], window: int) -> np.ndarray:

@@ -188,7 +188,8 @@ async def run_episode_async(
         env: a fresh :class:`Environment` for this episode.
         record: the dataset record passed to ``env.reset``.
         sampling_params: ``pytrio.SamplingParams`` with ``max_tokens`` (the per-turn bound) set.
-        max_turns: at most this many model turns (>= 1); reaching it without ``done`` sets ``truncated="turns"``.
+        max_turns: at most this many model turns (>= 1); reaching it without ``done`` sets ``truncated="turns"``
+            (the environment's reply to the last turn is then not appended: no turn would read it).
         max_total_tokens: bound on the whole sequence, prompt included (the datum's length + 1); a turn is never
             asked for more than what is left, and an environment reply that would cross it is dropped and the
             episode ends with ``truncated="tokens"``.
@@ -254,13 +255,15 @@ async def run_episode_async(
             if result.tokens:  # a closing reply (never trained) is kept so the episode reads as a whole
                 episode.segments.append(Segment(ENV, _tokens("StepResult.tokens", result.tokens)))
             break
+        if turn == max_turns - 1:  # no turn will read a reply: end here
+            break
         reply = _tokens("StepResult.tokens", result.tokens)
         if len(tokens) + len(reply) >= max_total_tokens:
             episode.truncated = "tokens"
             break
         episode.segments.append(Segment(ENV, reply))
         tokens += reply
-    else:
+    if not episode.done and episode.truncated is None:
         episode.truncated = "turns"
     return episode
 
@@ -347,7 +350,7 @@ def episode_datum(episode: Episode, advantage):
 
     Introduced in: chapter 12 (notebooks/12_tool_use).
     """
-    from pytrio import Datum, ModelInput, TensorData
+    from pytrio.types import Datum, ModelInput, TensorData
 
     n_model = episode.model_tokens
     if n_model == 0:

@@ -168,8 +168,12 @@ class Scripted:
 
 
 @pytest.fixture(scope="module")
-def offline(tmp_path_factory):
-    service = connect("offline", latency=0.0, home=tmp_path_factory.mktemp("offline_home"))
+def service(tmp_path_factory):
+    return connect("offline", latency=0.0, home=tmp_path_factory.mktemp("offline_home"))
+
+
+@pytest.fixture(scope="module")
+def offline(service):
     client = service.create_lora_training_client("offline/tiny", rank=8, seed=0)
     sampler = client.save_weights_and_get_sampling_client()
     return client, sampler, sampler.get_tokenizer()
@@ -186,10 +190,18 @@ def test_scripted_env_is_an_environment(offline) -> None:
     assert isinstance(Scripted(offline[2]), Environment)
 
 
-def test_rollout_pieces_line_up(offline) -> None:
-    client, sampler, tok = offline
+@pytest.fixture(scope="module")
+def student(service):
+    """The offline student: fitted on GSM8K-style text, so its turns do end at the stop string ``.``."""
+    return service.create_sampling_client("Qwen/Qwen3.5-4B")
+
+
+@pytest.mark.parametrize("model", ["offline/tiny", "Qwen/Qwen3.5-4B"])
+def test_rollout_pieces_line_up(offline, student, model) -> None:
+    sampler = offline[1] if model == "offline/tiny" else student
+    tok = sampler.get_tokenizer()
     env = Scripted(tok, turns=3)
-    ep = asyncio.run(run_episode_async(sampler, env, RECORDS[0], params()))
+    ep = asyncio.run(run_episode_async(sampler, env, RECORDS[0], params(max_tokens=40)))
     assert ep.done and ep.truncated is None and ep.reward == 1.5 and ep.info == {"steps": 3}
     assert [s.source for s in ep.segments] == [MODEL, ENV, MODEL, ENV, MODEL]
     assert ep.prompt == Scripted(tok).reset(RECORDS[0])
@@ -198,11 +210,11 @@ def test_rollout_pieces_line_up(offline) -> None:
     turn = 0
     for segment in ep.segments:
         if segment.source == MODEL:
-            p = trio.SamplingParams(max_tokens=12, seed=turn_seed(5, turn), stop=Scripted.stop)
+            p = trio.SamplingParams(max_tokens=40, seed=turn_seed(5, turn), stop=Scripted.stop)
             again = sampler.sample(trio.ModelInput.from_ints(prefix), 1, p).result().sequences[0]
             assert segment.tokens == again.tokens and segment.logprobs == again.logprobs
             assert env.seen[turn] == (again.text, again.tokens)  # the environment saw the turn as sampled
-            assert len(segment.tokens) <= 12
+            assert len(segment.tokens) <= 40
             turn += 1
         else:
             assert segment.tokens == env.reply(turn)
@@ -212,6 +224,8 @@ def test_rollout_pieces_line_up(offline) -> None:
     for segment, reason in zip([s for s in ep.segments if s.source == MODEL], ep.stop_reasons):
         if reason == "stop" and tok.decode(segment.tokens[-1:]) != "<|im_end|>":
             assert tok.decode(segment.tokens).endswith(".")
+    if model == "Qwen/Qwen3.5-4B":
+        assert "stop" in ep.stop_reasons, "the student should end some turn at '.'; the check above would be vacuous"
 
 
 def test_rollout_datum_matches_the_trainer(offline) -> None:
@@ -287,12 +301,11 @@ def test_concurrent_equals_sequential(offline) -> None:
         assert ep.prompt == Scripted(tok).reset(record)
 
 
-def test_calculator_env_rollout_on_the_student(tmp_path) -> None:
+def test_calculator_env_rollout_on_the_student(student) -> None:
     """The real environment end to end: the offline student knows no tool format, so it answers in one turn."""
     from trio_helpers.calculator import STOP, CalculatorEnv
 
-    service = connect("offline", latency=0.0, home=tmp_path)
-    sampler = service.create_sampling_client("Qwen/Qwen3.5-4B")
+    sampler = student
     tok = sampler.get_tokenizer()
     records = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in May?",
                 "answer": "#### 24"}]
@@ -302,3 +315,50 @@ def test_calculator_env_rollout_on_the_student(tmp_path) -> None:
     assert ep.turns >= 1 and ep.reward in (0.0, 1.0)
     assert ep.done or ep.truncated
     episode_datum(ep, 1.0)  # builds
+
+
+class ScriptedSampler:
+    """``sample_async`` that returns the given turns in order (each as a one-sequence response), logprob -1 each;
+    records the prompts it was asked to continue."""
+
+    def __init__(self, tokenizer, turns: list[str]) -> None:
+        self.tokenizer, self.turns, self.prompts = tokenizer, list(turns), []
+
+    async def sample_async(self, prompt, num_samples=1, sampling_params=None):
+        from types import SimpleNamespace
+
+        self.prompts.append(prompt.to_ints())
+        text = self.turns.pop(0)
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        seq = SimpleNamespace(tokens=tokens, logprobs=[-1.0] * len(tokens), text=text, stop_reason="stop")
+        return SimpleNamespace(sequences=[seq])
+
+
+def test_calculator_episode_by_hand(offline) -> None:
+    """A scripted tool call, the calculator's reply and a final answer: every mask checked against the text."""
+    from trio_helpers.calculator import CalculatorEnv, tool_call_text, tool_reply_text
+
+    tok = offline[2]
+    call = "Half of 48: " + tool_call_text("48/2")
+    answer = "So \\boxed{24}.<|im_end|>"
+    sampler = ScriptedSampler(tok, [call, answer])
+    record = {"question": "Natalia sold 48 clips in April and half as many in May. How many in May?",
+              "answer": "#### 24"}
+    env = CalculatorEnv(tok)
+    ep = asyncio.run(run_episode_async(sampler, env, record, trio.SamplingParams(max_tokens=200, stop=env.stop)))
+    assert ep.done and ep.reward == 1.0 and ep.info == {"tool_calls": 1, "tool_errors": 0}
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    reply = tool_reply_text("24")
+    assert [(s.source, tok.decode(s.tokens)) for s in ep.segments] == [
+        (MODEL, call), (ENV, reply), (MODEL, answer)]
+    assert sampler.prompts == [ep.prompt, ep.prompt + enc(call) + enc(reply)]  # turn 2 continues after the reply
+    d = episode_datum(ep, 1.0)
+    targets = fields(d)["target_tokens"]
+    P, C, R, A = len(ep.prompt), len(enc(call)), len(enc(reply)), len(enc(answer))
+    assert len(targets) == P + C + R + A - 1
+    assert targets == [IGNORE] * (P - 1) + enc(call) + [IGNORE] * R + enc(answer)
+    rows = episode_rows(ep, d, tok)
+    assert all(r["target"] == "-" and not r["trained"] for r in rows if r["by"] == "env")
+    assert "".join(r["input"] for r in rows[P + C : P + C + R]) == reply  # the reply is read, never predicted
+    assert [r["pos"] for r in rows if r["trained"]] == (list(range(P - 1, P - 1 + C))
+                                                        + list(range(P - 1 + C + R, P - 1 + C + R + A)))

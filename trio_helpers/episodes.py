@@ -181,7 +181,10 @@ async def run_episode_async(
     ``sampling_params`` whose ``max_tokens`` is ``min(sampling_params.max_tokens, max_total_tokens - len(tokens))``
     and whose seed is :func:`turn_seed` ``(seed, turn)`` (turn 0 keeps ``seed``), so an episode is reproducible whatever else runs
     at the same time. Stop strings and stop token ids come from ``sampling_params.stop`` (put the environment's
-    ``stop`` there, e.g. ``["</tool_call>"]``); the end-of-turn token stops a turn on the service and offline.
+    ``stop`` there, e.g. ``["</tool_call>"]``). ``SamplingParams.stop`` takes strings *or* token ids, not both; the
+    offline backend always stops at ``<|im_end|>`` as well, and whether the service does so with stop strings set
+    (and whether it keeps a matched stop string in ``tokens``) is to be checked there: an environment should accept a
+    turn whose closing tag is missing (:class:`trio_helpers.calculator.CalculatorEnv` does).
 
     Args:
         sampler: a ``SamplingClient`` (real or offline).

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from trio_helpers.loop import LoopConfig, RunResult, StepOutput, one_step, run_loop
 from trio_helpers.rl import make_group, reward_metrics
 
-ADVANTAGES = ("mean", "std")
+ADVANTAGES = ("mean", "std", "none")
 
 RewardFn = Callable[[str, dict], float]
 """``reward_fn(completion_text, record) -> float``."""
@@ -30,8 +30,10 @@ class GRPOConfig(LoopConfig):
     Defaults follow the *GRPO* example's scripts (batch 4 x group 4, lr 4e-5, temperature 1).
 
     Attributes:
-        advantage: ``"mean"`` (reward minus group mean, the *GRPO* example) or ``"std"`` (also divided by the
-            group's standard deviation, the *GSM8K* example).
+        advantage: ``"mean"`` (reward minus group mean, the *GRPO* example), ``"std"`` (also divided by the
+            group's standard deviation, the *GSM8K* example) or ``"none"`` (the raw reward, no baseline; a group
+            whose rewards are all equal still counts as degenerate and is skipped with ``skip_degenerate``;
+            chapter 10).
         skip_degenerate: send no datums for groups whose rewards are all equal.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).

@@ -142,6 +142,30 @@ class LoopConfig:
         ref_model_path: sampler weights of the reference, trained from ``base_model`` (``None``: the base
             model itself).
 
+    The refinements of chapter 10, each off by default (the earlier chapters run without them):
+
+    Attributes:
+        loss_aggregation: how per-token losses are averaged, through the advantages each datum carries
+            (:data:`trio_helpers.rl.LOSS_AGGREGATIONS`): ``"token"`` (the service's own normaliser,
+            ``total_active_tokens`` of the ``forward_backward`` call), ``"sequence"`` (per-completion mean, then
+            mean over completions) or ``"constant"`` (Dr. GRPO: ``n_datums * max_tokens``). Not with ``dro``.
+        num_substeps: split each sampled batch's datums into this many minibatches, each with its own
+            ``forward_backward`` and ``optim_step`` (tinker-cookbook's ``num_substeps``); the weights version,
+            the sampler refresh and ``save_every`` still count sampled batches (steps).
+        clip_higher: DAPO's clip-higher, the upper ratio bound of ``ppo`` or ``cispo`` (``clip_high_threshold``),
+            e.g. 1.28 with ``ppo``'s lower 0.8; ``None``: ``loss_fn_config``'s (or the default) bound.
+        dynamic_sampling: DAPO's dynamic sampling: at most this many extra prompts per step, drawn to replace
+            groups whose rewards are all equal until the batch holds ``batch_size`` groups with signal (0: off).
+            Extra prompts are drawn from the records outside the step's batch by a generator seeded with
+            ``(seed, step)``, so a resumed run draws the same ones.
+        tis_cap: truncated importance sampling (TIS) with cap ``C`` (``None``: off). Before training, each
+            completion's logprobs are recomputed with ``compute_logprobs`` on a sampler of the current weights
+            (``lp_train``); each token's advantage is multiplied by ``min(exp(lp_train - lp_sampler), C)`` and
+            the datum carries ``lp_train`` as its logprobs, so the loss's own ratio starts at 1. On the offline
+            backend (and on the service) ``lp_train`` comes from the sampler's numerics, so this corrects
+            staleness (pipelining, ``sampler_refresh_steps``) and sample-vs-score differences, not the trainer's
+            own kernels.
+
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
 
@@ -172,6 +196,11 @@ class LoopConfig:
     loss_fn_config: dict | None = None
     ref_kl_coef: float = 0.0
     ref_model_path: str | None = None
+    loss_aggregation: str = "token"
+    num_substeps: int = 1
+    clip_higher: float | None = None
+    dynamic_sampling: int = 0
+    tis_cap: float | None = None
 
     def validate(self) -> None:
         """Check every field; raises ``ValueError`` naming the field, the value and the fix.
@@ -215,6 +244,7 @@ class LoopConfig:
         if not (_is_real(self.ref_kl_coef) and self.ref_kl_coef >= 0):
             raise ValueError(f"ref_kl_coef must be a finite number >= 0 (0 = no KL penalty), got "
                              f"{self.ref_kl_coef!r}")
+        self._validate_variants()
         if self.ref_model_path is not None and (not isinstance(self.ref_model_path, str)
                                                 or not self.ref_model_path.strip()):
             raise ValueError(f"ref_model_path must be a save_weights_for_sampler path or None, got "
@@ -238,6 +268,45 @@ class LoopConfig:
         if self.rollout == "pipeline" and self.sampler_refresh_steps != 1:
             raise ValueError(f"sampler_refresh_steps={self.sampler_refresh_steps} with rollout='pipeline': the "
                              "pipeline already bounds staleness with max_staleness; use one of the two")
+
+    def _validate_variants(self) -> None:
+        """The chapter-10 options (one line naming the field, the value and the fix)."""
+        from trio_helpers.rl import LOSS_AGGREGATIONS
+
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {', '.join(map(repr, LOSS_AGGREGATIONS))}, got "
+                             f"{self.loss_aggregation!r}")
+        if self.loss_aggregation != "token" and self.loss_fn == "dro":
+            raise ValueError(f"loss_aggregation={self.loss_aggregation!r} rescales advantages, which does not "
+                             "rescale dro's penalty; use loss_aggregation='token' with dro, or another loss_fn")
+        if not _is_int(self.num_substeps, 1):
+            raise ValueError(f"num_substeps must be an integer >= 1 (1 = one optim_step per batch), got "
+                             f"{self.num_substeps!r}")
+        if self.clip_higher is not None:
+            if self.loss_fn not in ("ppo", "cispo"):
+                raise ValueError(f"clip_higher={self.clip_higher!r} needs loss_fn 'ppo' or 'cispo' (the clipped "
+                                 f"losses), got loss_fn={self.loss_fn!r}; set loss_fn or clip_higher=None")
+            if not (_is_real(self.clip_higher) and self.clip_higher >= 1):
+                raise ValueError(f"clip_higher must be a finite number >= 1 (the upper ratio bound, e.g. 1.28), "
+                                 f"got {self.clip_higher!r}")
+            if "clip_high_threshold" in (self.loss_fn_config or {}):
+                raise ValueError(f"clip_higher={self.clip_higher!r} and loss_fn_config['clip_high_threshold'] "
+                                 "both set the upper bound; keep one of them")
+        if not _is_int(self.dynamic_sampling, 0):
+            raise ValueError(f"dynamic_sampling must be an integer >= 0 (extra prompts per step; 0 = off), got "
+                             f"{self.dynamic_sampling!r}")
+        if self.tis_cap is not None and not (_is_real(self.tis_cap) and self.tis_cap >= 1):
+            raise ValueError(f"tis_cap must be None (off) or a finite number >= 1 (the cap C on the per-token "
+                             f"ratio, e.g. 2), got {self.tis_cap!r}")
+
+    def effective_loss_config(self) -> dict | None:
+        """``loss_fn_config`` with ``clip_higher`` folded in as ``clip_high_threshold`` (what is sent).
+
+        Introduced in: chapter 10 (notebooks/10_grpo_variants).
+        """
+        if self.clip_higher is None:
+            return self.loss_fn_config
+        return {**(self.loss_fn_config or {}), "clip_high_threshold": float(self.clip_higher)}
 
 
 # ------------------------------------------------------------------------------------------ steps and requests
@@ -461,12 +530,14 @@ def train_step_metrics(training_client, scorer, groups, config: LoopConfig, step
     """
     adam = adam_params_at(config, step, total_steps)
     train = train_on_groups(training_client, groups, adam, skip_degenerate=scorer.skip_degenerate,
-                            loss_fn=config.loss_fn, loss_fn_config=config.loss_fn_config)
+                            loss_fn=config.loss_fn, loss_fn_config=config.effective_loss_config(),
+                            loss_aggregation=config.loss_aggregation, max_tokens=config.max_tokens,
+                            num_substeps=config.num_substeps)
     if train["train/datums"] == 0 and scorer.require_datums:
         raise RuntimeError(f"step {step} produced no datums (every completion was empty); check max_tokens "
                            f"({config.max_tokens}) and the stop tokens")
     return {**scorer.metrics(groups), **ref_kl_metrics(groups), **completion_metrics(groups, config.max_tokens),
-            **train, "train/lr": float(adam.learning_rate)}
+            **getattr(groups, "metrics", {}), **train, "train/lr": float(adam.learning_rate)}
 
 
 def one_step(training_client, scorer, records_batch, config: LoopConfig, step: int, tokenizer, *,
@@ -661,7 +732,9 @@ def _identity_problem(run_dir: Path, saved: dict | None, config: LoopConfig, alg
     now = asdict(config)
     changed = {k: (saved[k], now[k]) for k in now
                if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
-    missing = [k for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME]
+    defaults = {f.name: f.default for f in fields(config)}
+    missing = [k for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
+               and now[k] != defaults.get(k)]  # a setting added since the run was saved, left at its default
     if changed or missing:
         detail = ", ".join([f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items()]
                            + [f"{k}: not saved" for k in missing])

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                     DEFAULT_RUN_DIR)
     g = p.add_argument_group("GRPO")
     g.add_argument("--advantage", choices=ADVANTAGES, default=d.advantage,
-                   help="'mean': reward - group mean; 'std': also divided by the group's std")
+                   help="'mean': reward - group mean; 'std': also divided by the group's std; 'none': raw reward")
     g.add_argument("--keep-degenerate", action="store_true",
                    help="send datums of groups whose rewards are all equal (zero advantage) instead of skipping")
     return p

@@ -51,7 +51,20 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 ``sampler/version``            the weights version the batch was sampled from; ``sampler/staleness``:
                                how many updates behind the trained weights it was
 ``time/*_s``                   wall clock: ``refresh``, ``sample``, ``wait``, ``train``, ``step``
+``train/substeps``             ``num_substeps > 1``: minibatches sent (one ``forward_backward`` +
+                               ``optim_step`` each); ``train/loss`` is then their mean
+``dynamic/extra_prompts``      ``dynamic_sampling > 0``: extra prompts drawn (= extra sampling requests);
+                               ``dynamic/extra_samples``: their completions; ``dynamic/replaced``:
+                               degenerate groups replaced; ``dynamic/unfilled``: still degenerate
+``train/frac_dropped_overlong`` GRPO ``overlong="drop"``: share of completions sent no datum
+``reward/overlong_penalty``    GRPO ``overlong="penalty"``: mean soft length penalty (in ``reward/mean``)
 =============================  ====================================================================
+
+**Chapter 10's refinements** (:class:`LoopConfig` and :class:`trio_helpers.grpo.GRPOConfig` fields, all off by
+default): ``advantage`` ``"mean"``/``"std"``/``"none"``; ``loss_aggregation`` (the service divides the summed
+per-token loss of one ``forward_backward`` by ``total_active_tokens``, pytrio's planner's count of targets that
+are not ``-100``; ``"sequence"`` and ``"constant"`` rescale the advantages to change that normaliser);
+``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``. Their keys appear only when they are on.
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync); concurrency and failures in chapter 05, the distillation
 scorer in chapter 06.
@@ -476,31 +489,92 @@ def ref_kl_metrics(groups: Sequence) -> dict[str, float]:
 
 
 async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tuple[int, dict]],
-                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None, ref=None) -> list:
+                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None, ref=None,
+                        records: Sequence[dict] = ()) -> list:
     """Sample a group per prompt of the batch and let ``scorer`` score it; returns the scored groups in order.
 
     Every request (sampling, and the scorer's own, e.g. teacher logprobs) goes through ``limiter``: at most its
     ``max_concurrency`` in flight, sampling retried per its policy. With a reference sampler ``ref`` and
     ``config.ref_kl_coef > 0``, :func:`ref_kl_penalty` is folded into each group that will be trained: a group the
     scorer skips (degenerate, with ``skip_degenerate``) sends no datums, so its reference logprobs would be
-    requests that change nothing (chapter 09).
+    requests that change nothing (chapter 09). With ``config.dynamic_sampling`` (chapter 10), degenerate groups are
+    replaced by groups of extra prompts drawn from ``records`` (:func:`extra_prompt_indices`) and the result is a
+    :class:`SampledBatch` whose ``metrics`` count the extra requests.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     prompts = [scorer.prompt(tokenizer, record) for _, record in records_batch]
 
-    async def one(i: int):
+    async def one(i: int, prompt, record, dynamic: bool = False):
         params = sampling_params_for(config, step, i, stop=stop)
         response = await limiter.call(
-            lambda: sampler.sample_async(prompts[i], num_samples=config.group_size, sampling_params=params),
+            lambda: sampler.sample_async(prompt, num_samples=config.group_size, sampling_params=params),
             what=f"sample (step {step}, prompt {i})", index=i)
-        group = await scorer.score(i, prompts[i], records_batch[i][1], list(response.sequences), limiter)
+        group = await scorer.score(i, prompt, record, list(response.sequences), limiter)
         skipped = getattr(scorer, "skip_degenerate", False) and group.degenerate  # no datums will be sent
+        if dynamic and group.degenerate:  # a dynamic-sampling draw only counts if it brings signal
+            skipped = True
         if ref is not None and config.ref_kl_coef > 0 and not skipped:
             group = await ref_kl_penalty(group, ref, config.ref_kl_coef, limiter)
         return group
 
-    return await gather_or_cancel(one(i) for i in range(len(prompts)))
+    groups = await gather_or_cancel(one(i, prompts[i], records_batch[i][1]) for i in range(len(prompts)))
+    if not config.dynamic_sampling:
+        return groups
+    return await _fill_degenerate(groups, records, records_batch, config, step,
+                                  lambda i, r: one(i, scorer.prompt(tokenizer, r), r, dynamic=True))
+
+
+class SampledBatch(list):
+    """A step's scored groups (a list) with the metrics of how they were drawn (dynamic sampling's ``dynamic/*``).
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+
+    metrics: dict
+
+    def __init__(self, groups=(), metrics: dict | None = None) -> None:
+        super().__init__(groups)
+        self.metrics = dict(metrics or {})
+
+
+def extra_prompt_indices(n_records: int, step: int, seed: int, exclude: Sequence[int]) -> list[int]:
+    """The order in which dynamic sampling draws extra prompts at ``step``: the record indices outside the step's
+    batch (``exclude``), shuffled by a generator seeded with ``(seed, step)`` (a pure function: resumes agree).
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    order = np.random.default_rng([seed, step, 0xD5]).permutation(n_records)
+    banned = set(exclude)
+    return [int(i) for i in order if int(i) not in banned]
+
+
+async def _fill_degenerate(groups, records, records_batch, config: LoopConfig, step: int, draw) -> SampledBatch:
+    """DAPO's dynamic sampling: replace degenerate groups (in batch order) by groups of extra prompts, drawn in
+    rounds of as many prompts as groups still to replace, until none is left or ``config.dynamic_sampling`` extra
+    prompts were drawn. Extra prompt ``j`` of the step is sampled with request index ``batch_size + j``."""
+    pool = extra_prompt_indices(len(records), step, config.seed, [i for i, _ in records_batch]) if records else []
+    groups, drawn, replaced = list(groups), 0, 0
+    while True:
+        holes = [k for k, g in enumerate(groups) if g.degenerate]
+        n = min(len(holes), config.dynamic_sampling - drawn, len(pool) - drawn)
+        if n <= 0:
+            break
+        picks = pool[drawn:drawn + n]
+        new = await gather_or_cancel(draw(len(records_batch) + drawn + j, records[r]) for j, r in enumerate(picks))
+        drawn += n
+        good = iter(g for g in new if not g.degenerate)
+        for k in holes:
+            g = next(good, None)
+            if g is None:
+                break
+            g.index = groups[k].index
+            groups[k] = g
+            replaced += 1
+    metrics = {"dynamic/extra_prompts": float(drawn), "dynamic/extra_samples": float(drawn * config.group_size),
+               "dynamic/replaced": float(replaced),
+               "dynamic/unfilled": float(sum(g.degenerate for g in groups))}
+    return SampledBatch(groups, metrics)
 
 
 @dataclass
@@ -999,7 +1073,7 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
         t0 = time.perf_counter()
         batch = batch_for_step(records, step, config.batch_size, config.all_data)
         groups = await rollout_batch(sampler, scorer, run.tokenizer, batch, config, step, limiter, stop=stop,
-                                     ref=run.ref)
+                                     ref=run.ref, records=records)
         sample_s[step] = time.perf_counter() - t0
         emit("sample_end", step)
         return groups

@@ -246,3 +246,44 @@ def test_each_option_names_field_value_and_fix(overrides, match) -> None:
     with pytest.raises(ValueError, match=match) as info:
         small(**overrides).validate()
     assert "\n" not in str(info.value)
+
+
+def test_tis_folds_the_capped_ratio_into_the_datum() -> None:
+    from trio_helpers.loop import apply_tis, tis_metrics
+    from trio_helpers.rollouts import RequestLimiter, run_sync
+
+    g = group([2, 1], [1.0, 0.0])  # advantages +0.5, -0.5; sampler logprobs -1 everywhere
+    g.sequences[0].logprobs = [-1.0, -1.0]
+    sent = []
+
+    class Sampler:  # "current weights": the prompt's logprobs, then log 3 ratio on token 0, log 0.5 on token 1
+        async def compute_logprobs_async(self, model_input):
+            ids = model_input.to_ints()
+            sent.append(ids)
+            tail = [-1.0 + np.log(3.0), -1.0 + np.log(0.5)][: len(ids) - 2]
+            return [None, -0.1] + tail
+
+    cfg = small(tis_cap=2.0)
+    scorer = SimpleNamespace(skip_degenerate=True)
+    run_sync(apply_tis([g], Sampler(), cfg, scorer, RequestLimiter(1, None)))
+    d0, d1 = group_datums(g)
+    np.testing.assert_allclose(advs(d0), [0.5 * 2.0, 0.5 * 0.5], rtol=1e-6)  # capped at 2, then 0.5
+    np.testing.assert_allclose(advs(d1), [-0.5 * 2.0], rtol=1e-6)
+    mask = d0.loss_fn_inputs["target_tokens"].to_numpy() != -100
+    np.testing.assert_allclose(d0.loss_fn_inputs["logprobs"].to_numpy()[mask], [-1 + np.log(3), -1 + np.log(.5)],
+                               rtol=1e-6)  # the datum carries the recomputed logprobs
+    assert sent == [[1, 2, 10, 11], [1, 2, 10]]
+    assert tis_metrics([g]) == {"tis/capped_frac": 2 / 3, "tis/requests": 2.0}
+
+
+def test_tis_run_logs_how_often_the_cap_binds(tmp_path) -> None:
+    service = connect("offline", latency=0.0, home=tmp_path / "home")
+    cfg = small(steps=3, tis_cap=1.5, rollout="pipeline", max_staleness=2, learning_rate=3e-2, weights_name=None)
+    result = run_grpo(service, list(records("grpo")), cfg, reward_fn=parity_reward)
+    rows = [r for r in result.history if r["train/datums"] > 0]
+    assert rows and all(r["tis/requests"] == r["train/datums"] for r in rows)
+    assert all(0.0 <= r["tis/capped_frac"] <= 1.0 for r in rows)
+    assert rows[0]["tis/capped_frac"] == 0.0  # step 0 samples the trained weights themselves
+    assert max(r["tis/capped_frac"] for r in rows if r["sampler/staleness"] > 0) > 0  # stale: the cap binds
+    # after a TIS step the loss's own ratio starts at 1: logprobs recomputed on the trained weights
+    assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-3 for r in rows)

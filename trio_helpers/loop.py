@@ -58,13 +58,15 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
                                degenerate groups replaced; ``dynamic/unfilled``: still degenerate
 ``train/frac_dropped_overlong`` GRPO ``overlong="drop"``: share of completions sent no datum
 ``reward/overlong_penalty``    GRPO ``overlong="penalty"``: mean soft length penalty (in ``reward/mean``)
+``tis/capped_frac``            ``tis_cap``: share of trained tokens whose ratio ``exp(lp_train -
+                               lp_sampler)`` exceeded the cap; ``tis/requests``: ``compute_logprobs`` sent
 =============================  ====================================================================
 
 **Chapter 10's refinements** (:class:`LoopConfig` and :class:`trio_helpers.grpo.GRPOConfig` fields, all off by
 default): ``advantage`` ``"mean"``/``"std"``/``"none"``; ``loss_aggregation`` (the service divides the summed
 per-token loss of one ``forward_backward`` by ``total_active_tokens``, pytrio's planner's count of targets that
 are not ``-100``; ``"sequence"`` and ``"constant"`` rescale the advantages to change that normaliser);
-``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``. Their keys appear only when they are on.
+``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``; ``tis_cap``. Their keys appear only when they are on.
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync); concurrency and failures in chapter 05, the distillation
 scorer in chapter 06.
@@ -470,6 +472,66 @@ async def ref_kl_penalty(group, ref, coef: float, limiter: RequestLimiter):
     return group
 
 
+async def truncated_importance(group, sampler, cap: float, limiter: RequestLimiter):
+    """Fold truncated importance sampling (TIS) into a scored group, in place (``LoopConfig.tis_cap``).
+
+    One ``compute_logprobs(prompt + completion)`` request per non-empty completion to ``sampler`` (a sampler of
+    the weights about to be trained) gives ``lp_train``; each token's advantage becomes
+    ``A * min(exp(lp_train - lp_sampler), cap)`` (:func:`trio_helpers.rl.truncated_importance_weights`) and the
+    datum will carry ``lp_train`` as its logprobs (``group.extras["train_logprobs"]``), so the loss's own ratio
+    starts at 1 and the capped weight alone corrects for the sampler. ``group.extras["tis_capped"]`` keeps where
+    the cap bound.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    from pytrio import ModelInput
+
+    from trio_helpers.rl import truncated_importance_weights
+
+    p = group.prompt.to_ints()
+
+    async def logprobs(seq):
+        full = await limiter.call(lambda: sampler.compute_logprobs_async(ModelInput.from_ints(p + list(seq.tokens))),
+                                  what="TIS compute_logprobs", index=group.index)
+        if len(full) != len(p) + len(seq.tokens):
+            raise RuntimeError(f"compute_logprobs returned {len(full)} logprobs for {len(p) + len(seq.tokens)} "
+                               "tokens")
+        return np.asarray(full[len(p):], dtype=np.float64)
+
+    kept = [i for i, s in enumerate(group.sequences) if s.tokens]
+    new = await asyncio.gather(*(logprobs(group.sequences[i]) for i in kept))
+    advantages = list(group.advantages)
+    train_lps = [s.logprobs for s in group.sequences]
+    capped: list = [None] * len(group.sequences)
+    for i, lp in zip(kept, new):
+        w, capped[i] = truncated_importance_weights(lp, group.sequences[i].logprobs, cap)
+        advantages[i] = np.asarray(advantages[i], dtype=np.float64) * w
+        train_lps[i] = lp.tolist()
+    group.advantages = advantages
+    group.extras.update(train_logprobs=train_lps, tis_capped=capped)
+    return group
+
+
+def tis_metrics(groups: Sequence) -> dict[str, float]:
+    """``tis/capped_frac`` (share of corrected tokens whose ratio exceeded the cap) and ``tis/requests``
+    (``compute_logprobs`` requests sent); empty when no group was corrected.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    masks = [m for g in groups for m in (g.extras.get("tis_capped") or []) if m is not None]
+    if not masks:
+        return {}
+    return {"tis/capped_frac": float(np.concatenate(masks).mean()), "tis/requests": float(len(masks))}
+
+
+async def apply_tis(groups, sampler, config: LoopConfig, scorer, limiter: RequestLimiter):
+    """:func:`truncated_importance` on every group that will be trained (none for skipped degenerate groups)."""
+    skip = getattr(scorer, "skip_degenerate", False)
+    await gather_or_cancel(truncated_importance(g, sampler, config.tis_cap, limiter)
+                           for g in groups if not (skip and g.degenerate))
+    return groups
+
+
 def ref_kl_metrics(groups: Sequence) -> dict[str, float]:
     """``kl/ref_mean`` (per-token ``logp - logp_ref`` over the sampled tokens, an estimate of KL(policy || ref))
     and ``kl/ref_seq_mean`` (summed per completion, averaged); empty when no group carries reference logprobs.
@@ -611,7 +673,7 @@ def train_step_metrics(training_client, scorer, groups, config: LoopConfig, step
         raise RuntimeError(f"step {step} produced no datums (every completion was empty); check max_tokens "
                            f"({config.max_tokens}) and the stop tokens")
     return {**scorer.metrics(groups), **ref_kl_metrics(groups), **completion_metrics(groups, config.max_tokens),
-            **getattr(groups, "metrics", {}), **train, "train/lr": float(adam.learning_rate)}
+            **getattr(groups, "metrics", {}), **tis_metrics(groups), **train, "train/lr": float(adam.learning_rate)}
 
 
 def one_step(training_client, scorer, records_batch, config: LoopConfig, step: int, tokenizer, *,
@@ -631,6 +693,8 @@ def one_step(training_client, scorer, records_batch, config: LoopConfig, step: i
     t1 = time.perf_counter()
     groups = run_sync(rollout_batch(sampler, scorer, tokenizer, records_batch, config, step,
                                     _limiter(config, retries), stop=stop_token_ids(tokenizer), ref=ref))
+    if config.tis_cap is not None:  # the sampler just saved holds the current weights
+        run_sync(apply_tis(groups, sampler, config, scorer, _limiter(config, retries)))
     t2 = time.perf_counter()
     metrics = train_step_metrics(training_client, scorer, groups, config, step, total_steps or config.steps)
     t3 = time.perf_counter()
@@ -1108,6 +1172,18 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                     raise _Failed(step, "sampling or scoring", error) from error
                 raise
             wait_s = time.perf_counter() - t_wait
+            if config.tis_cap is not None:  # TIS: logprobs of the weights about to be trained
+                current = same.get(version, version)
+                try:
+                    if current not in samplers:
+                        t0 = time.perf_counter()
+                        samplers[current] = await run.training_client.save_weights_and_get_sampling_client_async()
+                        refresh_s += time.perf_counter() - t0
+                    groups = await apply_tis(groups, samplers[current], config, scorer, limiter)
+                except Exception as error:
+                    if _service_error(error):
+                        raise _Failed(step, "truncated importance sampling (compute_logprobs)", error) from error
+                    raise
             emit("train_start", step)
             t_train = time.perf_counter()
             try:

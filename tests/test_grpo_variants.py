@@ -66,7 +66,7 @@ def advs(datum) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- defaults change nothing
-# Recorded on the code before these options existed (commit df46dc6), with /tmp digest script equal to `digest`.
+# `digest` of these configs, recorded by the same code run on commit df46dc6, before these options existed.
 BEFORE = {"importance_sampling": "e35a268c27748676", "cispo": "ff302c5c355f9bc6", "std": "b013b96086e88fd0"}
 
 

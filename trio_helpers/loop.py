@@ -66,7 +66,8 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 default): ``advantage`` ``"mean"``/``"std"``/``"none"``; ``loss_aggregation`` (the service divides the summed
 per-token loss of one ``forward_backward`` by ``total_active_tokens``, pytrio's planner's count of targets that
 are not ``-100``; ``"sequence"`` and ``"constant"`` rescale the advantages to change that normaliser);
-``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``; ``tis_cap``. Their keys appear only when they are on.
+``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``; ``tis_cap``. Their keys appear only
+when they are on.
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync); concurrency and failures in chapter 05, the distillation
 scorer in chapter 06.

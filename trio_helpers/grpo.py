@@ -14,10 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from trio_helpers.loop import LoopConfig, RunResult, StepOutput, one_step, run_loop
 from trio_helpers.rl import make_group, reward_metrics
 
-ADVANTAGES = ("mean", "std")
+ADVANTAGES = ("mean", "std", "none")
+OVERLONG = ("keep", "drop", "penalty")
 
 RewardFn = Callable[[str, dict], float]
 """``reward_fn(completion_text, record) -> float``."""
@@ -30,15 +33,26 @@ class GRPOConfig(LoopConfig):
     Defaults follow the *GRPO* example's scripts (batch 4 x group 4, lr 4e-5, temperature 1).
 
     Attributes:
-        advantage: ``"mean"`` (reward minus group mean, the *GRPO* example) or ``"std"`` (also divided by the
-            group's standard deviation, the *GSM8K* example).
+        advantage: ``"mean"`` (reward minus group mean, the *GRPO* example), ``"std"`` (also divided by the
+            group's standard deviation, the *GSM8K* example) or ``"none"`` (the raw reward, no baseline; a group
+            whose rewards are all equal still counts as degenerate and is skipped with ``skip_degenerate``;
+            chapter 10).
         skip_degenerate: send no datums for groups whose rewards are all equal.
+        overlong: completions cut off at ``max_tokens`` (``len(tokens) >= max_tokens``, as
+            ``completion/frac_max_tokens`` counts them): ``"keep"`` trains on them like any other; ``"drop"``
+            sends no datum for them (DAPO's overlong filtering; the group's advantages are computed with their
+            rewards included); ``"penalty"`` adds DAPO's soft overlong punishment to every reward before the
+            advantages (:func:`trio_helpers.rl.soft_overlong_penalty`: linear from 0 to -1 over the last
+            ``overlong_buffer`` tokens before ``max_tokens``). Chapter 10.
+        overlong_buffer: with ``"penalty"``, the length of that ramp, in [1, max_tokens].
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
 
     advantage: str = "mean"
     skip_degenerate: bool = True
+    overlong: str = "keep"
+    overlong_buffer: int = 0
 
     def validate(self) -> None:
         """The loop's checks, plus the settings under which GRPO can never learn.
@@ -51,6 +65,15 @@ class GRPOConfig(LoopConfig):
         super().validate()
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"advantage must be one of {', '.join(map(repr, ADVANTAGES))}, got {self.advantage!r}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {', '.join(map(repr, OVERLONG))}, got {self.overlong!r}")
+        if self.overlong == "penalty" and not (isinstance(self.overlong_buffer, int)
+                                               and 1 <= self.overlong_buffer <= self.max_tokens):
+            raise ValueError(f"overlong_buffer must be an integer in [1, max_tokens={self.max_tokens}] with "
+                             f"overlong='penalty', got {self.overlong_buffer!r}; e.g. max_tokens // 4")
+        if self.overlong != "penalty" and self.overlong_buffer != 0:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer!r} is only used with overlong='penalty', got "
+                             f"overlong={self.overlong!r}; set overlong='penalty' or overlong_buffer=0")
         if self.group_size < 2:
             raise ValueError(f"group_size={self.group_size}: GRPO compares completions of the same prompt, and a "
                              "group of one is always degenerate (advantage 0, nothing learned); use >= 2")
@@ -118,6 +141,8 @@ class GRPOScorer:
     def __init__(self, config: GRPOConfig, reward_fn: RewardFn | None = None) -> None:
         self.advantage = config.advantage
         self.skip_degenerate = config.skip_degenerate
+        self.overlong, self.overlong_buffer = config.overlong, config.overlong_buffer
+        self.max_tokens = config.max_tokens
         self.reward_fn = reward_fn or gsm8k_reward
         self.fields = ("question",) if reward_fn is not None else ("question", "answer")
 
@@ -144,12 +169,43 @@ class GRPOScorer:
         return batch_prompts(tokenizer, [(0, record)])[0]
 
     async def score(self, index: int, prompt, record: dict, sequences: list, limiter):
-        """Grade the group and compute its advantages (no requests)."""
-        return make_group(index, prompt, sequences, lambda text: self.reward_fn(text, record), self.advantage)
+        """Grade the group and compute its advantages (no requests); apply ``overlong`` (chapter 10)."""
+        group = make_group(index, prompt, sequences, lambda text: self.reward_fn(text, record), self.advantage)
+        return apply_overlong(group, self.overlong, self.max_tokens, self.overlong_buffer, self.advantage)
 
     def metrics(self, groups: Sequence) -> dict:
-        """``reward/mean`` and ``reward/frac_degenerate``."""
-        return reward_metrics(groups)
+        """``reward/mean`` and ``reward/frac_degenerate``; with ``overlong`` ``"drop"``
+        ``train/frac_dropped_overlong`` (share of completions left out), with ``"penalty"`` ``reward/overlong_penalty``
+        (mean penalty, included in ``reward/mean``)."""
+        out = reward_metrics(groups)
+        if self.overlong == "drop":
+            out["train/frac_dropped_overlong"] = float(np.mean([d for g in groups for d in g.extras["dropped"]]))
+        elif self.overlong == "penalty":
+            out["reward/overlong_penalty"] = float(np.mean(np.concatenate(
+                [g.extras["overlong_penalty"] for g in groups])))
+        return out
+
+
+def apply_overlong(group, overlong: str, max_tokens: int, buffer: int = 0, advantage: str = "mean"):
+    """DAPO's overlong handling of a graded group (see :class:`GRPOConfig`'s ``overlong``), in place.
+
+    ``"drop"`` flags the cut-off completions in ``group.extras["dropped"]`` (no datum is built for them);
+    ``"penalty"`` adds :func:`trio_helpers.rl.soft_overlong_penalty` to the rewards and recomputes the advantages
+    (``group.extras["overlong_penalty"]`` keeps the penalties); ``"keep"`` changes nothing.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    from trio_helpers.rl import group_advantages, soft_overlong_penalty
+
+    lengths = [len(s.tokens) for s in group.sequences]
+    if overlong == "drop":
+        group.extras["dropped"] = [n >= max_tokens for n in lengths]
+    elif overlong == "penalty":
+        penalty = soft_overlong_penalty(lengths, max_tokens, buffer)
+        group.rewards = group.rewards + penalty
+        group.advantages = group_advantages(group.rewards, advantage)
+        group.extras["overlong_penalty"] = penalty
+    return group
 
 
 def grpo_step(training_client, records_batch: Sequence[tuple[int, dict]], config: GRPOConfig, step: int,

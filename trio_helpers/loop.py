@@ -51,7 +51,23 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 ``sampler/version``            the weights version the batch was sampled from; ``sampler/staleness``:
                                how many updates behind the trained weights it was
 ``time/*_s``                   wall clock: ``refresh``, ``sample``, ``wait``, ``train``, ``step``
+``train/substeps``             ``num_substeps > 1``: minibatches sent (one ``forward_backward`` +
+                               ``optim_step`` each); ``train/loss`` is then their mean
+``dynamic/extra_prompts``      ``dynamic_sampling > 0``: extra prompts drawn (= extra sampling requests);
+                               ``dynamic/extra_samples``: their completions; ``dynamic/replaced``:
+                               degenerate groups replaced; ``dynamic/unfilled``: still degenerate
+``train/frac_dropped_overlong`` GRPO ``overlong="drop"``: share of completions sent no datum
+``reward/overlong_penalty``    GRPO ``overlong="penalty"``: mean soft length penalty (in ``reward/mean``)
+``tis/capped_frac``            ``tis_cap``: share of trained tokens whose ratio ``exp(lp_train -
+                               lp_sampler)`` exceeded the cap; ``tis/requests``: ``compute_logprobs`` sent
 =============================  ====================================================================
+
+**Chapter 10's refinements** (:class:`LoopConfig` and :class:`trio_helpers.grpo.GRPOConfig` fields, all off by
+default): ``advantage`` ``"mean"``/``"std"``/``"none"``; ``loss_aggregation`` (the service divides the summed
+per-token loss of one ``forward_backward`` by ``total_active_tokens``, pytrio's planner's count of targets that
+are not ``-100``; ``"sequence"`` and ``"constant"`` rescale the advantages to change that normaliser);
+``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``; ``tis_cap``. Their keys appear only
+when they are on.
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync); concurrency and failures in chapter 05, the distillation
 scorer in chapter 06.
@@ -142,6 +158,30 @@ class LoopConfig:
         ref_model_path: sampler weights of the reference, trained from ``base_model`` (``None``: the base
             model itself).
 
+    The refinements of chapter 10, each off by default (the earlier chapters run without them):
+
+    Attributes:
+        loss_aggregation: how per-token losses are averaged, through the advantages each datum carries
+            (:data:`trio_helpers.rl.LOSS_AGGREGATIONS`): ``"token"`` (the service's own normaliser,
+            ``total_active_tokens`` of the ``forward_backward`` call), ``"sequence"`` (per-completion mean, then
+            mean over completions) or ``"constant"`` (Dr. GRPO: ``n_datums * max_tokens``). Not with ``dro``.
+        num_substeps: split each sampled batch's datums into this many minibatches, each with its own
+            ``forward_backward`` and ``optim_step`` (tinker-cookbook's ``num_substeps``); the weights version,
+            the sampler refresh and ``save_every`` still count sampled batches (steps).
+        clip_higher: DAPO's clip-higher, the upper ratio bound of ``ppo`` or ``cispo`` (``clip_high_threshold``),
+            e.g. 1.28 with ``ppo``'s lower 0.8; ``None``: ``loss_fn_config``'s (or the default) bound.
+        dynamic_sampling: DAPO's dynamic sampling: at most this many extra prompts per step, drawn to replace
+            groups whose rewards are all equal until the batch holds ``batch_size`` groups with signal (0: off).
+            Extra prompts are drawn from the records outside the step's batch by a generator seeded with
+            ``(seed, step)``, so a resumed run draws the same ones.
+        tis_cap: truncated importance sampling (TIS) with cap ``C`` (``None``: off). Before training, each
+            completion's logprobs are recomputed with ``compute_logprobs`` on a sampler of the current weights
+            (``lp_train``); each token's advantage is multiplied by ``min(exp(lp_train - lp_sampler), C)`` and
+            the datum carries ``lp_train`` as its logprobs, so the loss's own ratio starts at 1. On the offline
+            backend (and on the service) ``lp_train`` comes from the sampler's numerics, so this corrects
+            staleness (pipelining, ``sampler_refresh_steps``) and sample-vs-score differences, not the trainer's
+            own kernels.
+
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
 
@@ -172,6 +212,11 @@ class LoopConfig:
     loss_fn_config: dict | None = None
     ref_kl_coef: float = 0.0
     ref_model_path: str | None = None
+    loss_aggregation: str = "token"
+    num_substeps: int = 1
+    clip_higher: float | None = None
+    dynamic_sampling: int = 0
+    tis_cap: float | None = None
 
     def validate(self) -> None:
         """Check every field; raises ``ValueError`` naming the field, the value and the fix.
@@ -215,6 +260,7 @@ class LoopConfig:
         if not (_is_real(self.ref_kl_coef) and self.ref_kl_coef >= 0):
             raise ValueError(f"ref_kl_coef must be a finite number >= 0 (0 = no KL penalty), got "
                              f"{self.ref_kl_coef!r}")
+        self._validate_variants()
         if self.ref_model_path is not None and (not isinstance(self.ref_model_path, str)
                                                 or not self.ref_model_path.strip()):
             raise ValueError(f"ref_model_path must be a save_weights_for_sampler path or None, got "
@@ -238,6 +284,45 @@ class LoopConfig:
         if self.rollout == "pipeline" and self.sampler_refresh_steps != 1:
             raise ValueError(f"sampler_refresh_steps={self.sampler_refresh_steps} with rollout='pipeline': the "
                              "pipeline already bounds staleness with max_staleness; use one of the two")
+
+    def _validate_variants(self) -> None:
+        """The chapter-10 options (one line naming the field, the value and the fix)."""
+        from trio_helpers.rl import LOSS_AGGREGATIONS
+
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {', '.join(map(repr, LOSS_AGGREGATIONS))}, got "
+                             f"{self.loss_aggregation!r}")
+        if self.loss_aggregation != "token" and self.loss_fn == "dro":
+            raise ValueError(f"loss_aggregation={self.loss_aggregation!r} rescales advantages, which does not "
+                             "rescale dro's penalty; use loss_aggregation='token' with dro, or another loss_fn")
+        if not _is_int(self.num_substeps, 1):
+            raise ValueError(f"num_substeps must be an integer >= 1 (1 = one optim_step per batch), got "
+                             f"{self.num_substeps!r}")
+        if self.clip_higher is not None:
+            if self.loss_fn not in ("ppo", "cispo"):
+                raise ValueError(f"clip_higher={self.clip_higher!r} needs loss_fn 'ppo' or 'cispo' (the clipped "
+                                 f"losses), got loss_fn={self.loss_fn!r}; set loss_fn or clip_higher=None")
+            if not (_is_real(self.clip_higher) and self.clip_higher >= 1):
+                raise ValueError(f"clip_higher must be a finite number >= 1 (the upper ratio bound, e.g. 1.28), "
+                                 f"got {self.clip_higher!r}")
+            if "clip_high_threshold" in (self.loss_fn_config or {}):
+                raise ValueError(f"clip_higher={self.clip_higher!r} and loss_fn_config['clip_high_threshold'] "
+                                 "both set the upper bound; keep one of them")
+        if not _is_int(self.dynamic_sampling, 0):
+            raise ValueError(f"dynamic_sampling must be an integer >= 0 (extra prompts per step; 0 = off), got "
+                             f"{self.dynamic_sampling!r}")
+        if self.tis_cap is not None and not (_is_real(self.tis_cap) and self.tis_cap >= 1):
+            raise ValueError(f"tis_cap must be None (off) or a finite number >= 1 (the cap C on the per-token "
+                             f"ratio, e.g. 2), got {self.tis_cap!r}")
+
+    def effective_loss_config(self) -> dict | None:
+        """``loss_fn_config`` with ``clip_higher`` folded in as ``clip_high_threshold`` (what is sent).
+
+        Introduced in: chapter 10 (notebooks/10_grpo_variants).
+        """
+        if self.clip_higher is None:
+            return self.loss_fn_config
+        return {**(self.loss_fn_config or {}), "clip_high_threshold": float(self.clip_higher)}
 
 
 # ------------------------------------------------------------------------------------------ steps and requests
@@ -388,6 +473,66 @@ async def ref_kl_penalty(group, ref, coef: float, limiter: RequestLimiter):
     return group
 
 
+async def truncated_importance(group, sampler, cap: float, limiter: RequestLimiter):
+    """Fold truncated importance sampling (TIS) into a scored group, in place (``LoopConfig.tis_cap``).
+
+    One ``compute_logprobs(prompt + completion)`` request per non-empty completion to ``sampler`` (a sampler of
+    the weights about to be trained) gives ``lp_train``; each token's advantage becomes
+    ``A * min(exp(lp_train - lp_sampler), cap)`` (:func:`trio_helpers.rl.truncated_importance_weights`) and the
+    datum will carry ``lp_train`` as its logprobs (``group.extras["train_logprobs"]``), so the loss's own ratio
+    starts at 1 and the capped weight alone corrects for the sampler. ``group.extras["tis_capped"]`` keeps where
+    the cap bound.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    from pytrio import ModelInput
+
+    from trio_helpers.rl import truncated_importance_weights
+
+    p = group.prompt.to_ints()
+
+    async def logprobs(seq):
+        full = await limiter.call(lambda: sampler.compute_logprobs_async(ModelInput.from_ints(p + list(seq.tokens))),
+                                  what="TIS compute_logprobs", index=group.index)
+        if len(full) != len(p) + len(seq.tokens):
+            raise RuntimeError(f"compute_logprobs returned {len(full)} logprobs for {len(p) + len(seq.tokens)} "
+                               "tokens")
+        return np.asarray(full[len(p):], dtype=np.float64)
+
+    kept = [i for i, s in enumerate(group.sequences) if s.tokens]
+    new = await asyncio.gather(*(logprobs(group.sequences[i]) for i in kept))
+    advantages = list(group.advantages)
+    train_lps = [s.logprobs for s in group.sequences]
+    capped: list = [None] * len(group.sequences)
+    for i, lp in zip(kept, new):
+        w, capped[i] = truncated_importance_weights(lp, group.sequences[i].logprobs, cap)
+        advantages[i] = np.asarray(advantages[i], dtype=np.float64) * w
+        train_lps[i] = lp.tolist()
+    group.advantages = advantages
+    group.extras.update(train_logprobs=train_lps, tis_capped=capped)
+    return group
+
+
+def tis_metrics(groups: Sequence) -> dict[str, float]:
+    """``tis/capped_frac`` (share of corrected tokens whose ratio exceeded the cap) and ``tis/requests``
+    (``compute_logprobs`` requests sent); empty when no group was corrected.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    masks = [m for g in groups for m in (g.extras.get("tis_capped") or []) if m is not None]
+    if not masks:
+        return {}
+    return {"tis/capped_frac": float(np.concatenate(masks).mean()), "tis/requests": float(len(masks))}
+
+
+async def apply_tis(groups, sampler, config: LoopConfig, scorer, limiter: RequestLimiter):
+    """:func:`truncated_importance` on every group that will be trained (none for skipped degenerate groups)."""
+    skip = getattr(scorer, "skip_degenerate", False)
+    await gather_or_cancel(truncated_importance(g, sampler, config.tis_cap, limiter)
+                           for g in groups if not (skip and g.degenerate))
+    return groups
+
+
 def ref_kl_metrics(groups: Sequence) -> dict[str, float]:
     """``kl/ref_mean`` (per-token ``logp - logp_ref`` over the sampled tokens, an estimate of KL(policy || ref))
     and ``kl/ref_seq_mean`` (summed per completion, averaged); empty when no group carries reference logprobs.
@@ -407,31 +552,92 @@ def ref_kl_metrics(groups: Sequence) -> dict[str, float]:
 
 
 async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tuple[int, dict]],
-                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None, ref=None) -> list:
+                        config: LoopConfig, step: int, limiter: RequestLimiter, stop=None, ref=None,
+                        records: Sequence[dict] = ()) -> list:
     """Sample a group per prompt of the batch and let ``scorer`` score it; returns the scored groups in order.
 
     Every request (sampling, and the scorer's own, e.g. teacher logprobs) goes through ``limiter``: at most its
     ``max_concurrency`` in flight, sampling retried per its policy. With a reference sampler ``ref`` and
     ``config.ref_kl_coef > 0``, :func:`ref_kl_penalty` is folded into each group that will be trained: a group the
     scorer skips (degenerate, with ``skip_degenerate``) sends no datums, so its reference logprobs would be
-    requests that change nothing (chapter 09).
+    requests that change nothing (chapter 09). With ``config.dynamic_sampling`` (chapter 10), degenerate groups are
+    replaced by groups of extra prompts drawn from ``records`` (:func:`extra_prompt_indices`) and the result is a
+    :class:`SampledBatch` whose ``metrics`` count the extra requests.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     prompts = [scorer.prompt(tokenizer, record) for _, record in records_batch]
 
-    async def one(i: int):
+    async def one(i: int, prompt, record, dynamic: bool = False):
         params = sampling_params_for(config, step, i, stop=stop)
         response = await limiter.call(
-            lambda: sampler.sample_async(prompts[i], num_samples=config.group_size, sampling_params=params),
+            lambda: sampler.sample_async(prompt, num_samples=config.group_size, sampling_params=params),
             what=f"sample (step {step}, prompt {i})", index=i)
-        group = await scorer.score(i, prompts[i], records_batch[i][1], list(response.sequences), limiter)
+        group = await scorer.score(i, prompt, record, list(response.sequences), limiter)
         skipped = getattr(scorer, "skip_degenerate", False) and group.degenerate  # no datums will be sent
+        if dynamic and group.degenerate:  # a dynamic-sampling draw only counts if it brings signal
+            skipped = True
         if ref is not None and config.ref_kl_coef > 0 and not skipped:
             group = await ref_kl_penalty(group, ref, config.ref_kl_coef, limiter)
         return group
 
-    return await gather_or_cancel(one(i) for i in range(len(prompts)))
+    groups = await gather_or_cancel(one(i, prompts[i], records_batch[i][1]) for i in range(len(prompts)))
+    if not config.dynamic_sampling:
+        return groups
+    return await _fill_degenerate(groups, records, records_batch, config, step,
+                                  lambda i, r: one(i, scorer.prompt(tokenizer, r), r, dynamic=True))
+
+
+class SampledBatch(list):
+    """A step's scored groups (a list) with the metrics of how they were drawn (dynamic sampling's ``dynamic/*``).
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+
+    metrics: dict
+
+    def __init__(self, groups=(), metrics: dict | None = None) -> None:
+        super().__init__(groups)
+        self.metrics = dict(metrics or {})
+
+
+def extra_prompt_indices(n_records: int, step: int, seed: int, exclude: Sequence[int]) -> list[int]:
+    """The order in which dynamic sampling draws extra prompts at ``step``: the record indices outside the step's
+    batch (``exclude``), shuffled by a generator seeded with ``(seed, step)`` (a pure function: resumes agree).
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    order = np.random.default_rng([seed, step, 0xD5]).permutation(n_records)
+    banned = set(exclude)
+    return [int(i) for i in order if int(i) not in banned]
+
+
+async def _fill_degenerate(groups, records, records_batch, config: LoopConfig, step: int, draw) -> SampledBatch:
+    """DAPO's dynamic sampling: replace degenerate groups (in batch order) by groups of extra prompts, drawn in
+    rounds of as many prompts as groups still to replace, until none is left or ``config.dynamic_sampling`` extra
+    prompts were drawn. Extra prompt ``j`` of the step is sampled with request index ``batch_size + j``."""
+    pool = extra_prompt_indices(len(records), step, config.seed, [i for i, _ in records_batch]) if records else []
+    groups, drawn, replaced = list(groups), 0, 0
+    while True:
+        holes = [k for k, g in enumerate(groups) if g.degenerate]
+        n = min(len(holes), config.dynamic_sampling - drawn, len(pool) - drawn)
+        if n <= 0:
+            break
+        picks = pool[drawn:drawn + n]
+        new = await gather_or_cancel(draw(len(records_batch) + drawn + j, records[r]) for j, r in enumerate(picks))
+        drawn += n
+        good = iter(g for g in new if not g.degenerate)
+        for k in holes:
+            g = next(good, None)
+            if g is None:
+                break
+            g.index = groups[k].index
+            groups[k] = g
+            replaced += 1
+    metrics = {"dynamic/extra_prompts": float(drawn), "dynamic/extra_samples": float(drawn * config.group_size),
+               "dynamic/replaced": float(replaced),
+               "dynamic/unfilled": float(sum(g.degenerate for g in groups))}
+    return SampledBatch(groups, metrics)
 
 
 @dataclass
@@ -461,12 +667,14 @@ def train_step_metrics(training_client, scorer, groups, config: LoopConfig, step
     """
     adam = adam_params_at(config, step, total_steps)
     train = train_on_groups(training_client, groups, adam, skip_degenerate=scorer.skip_degenerate,
-                            loss_fn=config.loss_fn, loss_fn_config=config.loss_fn_config)
+                            loss_fn=config.loss_fn, loss_fn_config=config.effective_loss_config(),
+                            loss_aggregation=config.loss_aggregation, max_tokens=config.max_tokens,
+                            num_substeps=config.num_substeps)
     if train["train/datums"] == 0 and scorer.require_datums:
         raise RuntimeError(f"step {step} produced no datums (every completion was empty); check max_tokens "
                            f"({config.max_tokens}) and the stop tokens")
     return {**scorer.metrics(groups), **ref_kl_metrics(groups), **completion_metrics(groups, config.max_tokens),
-            **train, "train/lr": float(adam.learning_rate)}
+            **getattr(groups, "metrics", {}), **tis_metrics(groups), **train, "train/lr": float(adam.learning_rate)}
 
 
 def one_step(training_client, scorer, records_batch, config: LoopConfig, step: int, tokenizer, *,
@@ -486,6 +694,8 @@ def one_step(training_client, scorer, records_batch, config: LoopConfig, step: i
     t1 = time.perf_counter()
     groups = run_sync(rollout_batch(sampler, scorer, tokenizer, records_batch, config, step,
                                     _limiter(config, retries), stop=stop_token_ids(tokenizer), ref=ref))
+    if config.tis_cap is not None:  # the sampler just saved holds the current weights
+        run_sync(apply_tis(groups, sampler, config, scorer, _limiter(config, retries)))
     t2 = time.perf_counter()
     metrics = train_step_metrics(training_client, scorer, groups, config, step, total_steps or config.steps)
     t3 = time.perf_counter()
@@ -661,7 +871,9 @@ def _identity_problem(run_dir: Path, saved: dict | None, config: LoopConfig, alg
     now = asdict(config)
     changed = {k: (saved[k], now[k]) for k in now
                if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
-    missing = [k for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME]
+    defaults = {f.name: f.default for f in fields(config)}
+    missing = [k for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
+               and now[k] != defaults.get(k)]  # a setting added since the run was saved, left at its default
     if changed or missing:
         detail = ", ".join([f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items()]
                            + [f"{k}: not saved" for k in missing])
@@ -926,7 +1138,7 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
         t0 = time.perf_counter()
         batch = batch_for_step(records, step, config.batch_size, config.all_data)
         groups = await rollout_batch(sampler, scorer, run.tokenizer, batch, config, step, limiter, stop=stop,
-                                     ref=run.ref)
+                                     ref=run.ref, records=records)
         sample_s[step] = time.perf_counter() - t0
         emit("sample_end", step)
         return groups
@@ -961,6 +1173,18 @@ async def _steps(run: RunState, records: list, scorer, retries, on_step, on_even
                     raise _Failed(step, "sampling or scoring", error) from error
                 raise
             wait_s = time.perf_counter() - t_wait
+            if config.tis_cap is not None:  # TIS: logprobs of the weights about to be trained
+                current = same.get(version, version)
+                try:
+                    if current not in samplers:
+                        t0 = time.perf_counter()
+                        samplers[current] = await run.training_client.save_weights_and_get_sampling_client_async()
+                        refresh_s += time.perf_counter() - t0
+                    groups = await apply_tis(groups, samplers[current], config, scorer, limiter)
+                except Exception as error:
+                    if _service_error(error):
+                        raise _Failed(step, "truncated importance sampling (compute_logprobs)", error) from error
+                    raise
             emit("train_start", step)
             t_train = time.perf_counter()
             try:

@@ -27,10 +27,12 @@ def group_advantages(rewards: Sequence[float], normalize: str = "mean", eps: flo
     Args:
         rewards: one reward per completion of the same prompt.
         normalize: ``"mean"`` subtracts the group mean (the *GRPO* example); ``"std"`` also divides by the group's
-            standard deviation plus ``eps`` (the *GSM8K* example, DeepSeekMath's GRPO).
+            standard deviation plus ``eps`` (the *GSM8K* example, DeepSeekMath's GRPO); ``"none"`` keeps the raw
+            rewards (no baseline: REINFORCE without a baseline; chapter 10).
 
     Returns:
-        float64 array, same length as ``rewards``; all zeros when every reward is equal (a degenerate group).
+        float64 array, same length as ``rewards``; all zeros when every reward is equal (a degenerate group), except
+        with ``"none"`` (the rewards themselves).
 
     Raises:
         ValueError: empty group, non-finite rewards or an unknown ``normalize``.
@@ -42,12 +44,14 @@ def group_advantages(rewards: Sequence[float], normalize: str = "mean", eps: flo
         raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {r.shape}")
     if not np.all(np.isfinite(r)):
         raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    if normalize == "none":
+        return r.copy()
     centred = r - r.mean()
     if normalize == "mean":
         return centred
     if normalize == "std":
         return centred / (r.std() + eps)
-    raise ValueError(f"normalize must be 'mean' or 'std', got {normalize!r}")
+    raise ValueError(f"normalize must be 'mean', 'std' or 'none', got {normalize!r}")
 
 
 def is_degenerate(rewards: Sequence[float]) -> bool:
@@ -172,16 +176,20 @@ def group_datums(group: Group, skip_degenerate: bool = True) -> list:
     Returns:
         One ``pytrio.Datum`` per completion with at least one token (chapter 03's layout: prompt positions masked
         with ``-100``, the completion's tokens carrying the sampler's logprobs and the completion's advantages).
+        Completions flagged in ``group.extras["dropped"]`` (overlong filtering) get no datum; per-completion
+        logprobs in ``group.extras["train_logprobs"]`` (truncated importance sampling) replace the sampler's.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     if skip_degenerate and group.degenerate:
         return []
     prompt = group.prompt.to_ints()
+    dropped = group.extras.get("dropped") or [False] * len(group.sequences)
+    logprobs = group.extras.get("train_logprobs") or [s.logprobs for s in group.sequences]
     return [
-        importance_sampling_datum(prompt, s.tokens, s.logprobs, a if np.ndim(a) else float(a))
-        for s, a in zip(group.sequences, group.advantages)
-        if len(s.tokens) > 0
+        importance_sampling_datum(prompt, s.tokens, lp, a if np.ndim(a) else float(a))
+        for s, a, lp, drop in zip(group.sequences, group.advantages, logprobs, dropped)
+        if len(s.tokens) > 0 and not drop
     ]
 
 
@@ -265,9 +273,117 @@ def ratio_metrics(data: Sequence, fb_output, loss_fn: str = "importance_sampling
                            float(-gap.mean()), clip)))
 
 
+LOSS_AGGREGATIONS = ("token", "sequence", "constant")
+"""How a batch's per-token losses are averaged (chapter 10), all through the advantages a datum carries:
+
+- ``"token"``: what the service does by itself. pytrio's planner (``plan_training_batch``) counts, over all datums
+  of one ``forward_backward`` call, ``total_active_tokens`` (targets that are not ``-100``: every completion token,
+  *including* those with advantage 0) and ``total_advantage_tokens`` (those with a non-zero advantage); the
+  service divides the summed per-token loss by ``total_active_tokens`` (``dro``: by ``total_advantage_tokens``), as
+  the offline backend does. Long completions weigh more (DAPO's token-level loss, TRL's ``bnpo``/``dapo``).
+- ``"sequence"``: mean over each completion's tokens, then over completions (the GRPO paper, TRL's ``grpo``): each
+  token's advantage times ``N / (n * L_i)`` (``N`` active tokens, ``n`` datums of the call, ``L_i`` the completion's
+  length) undoes the service's ``1 / N`` and applies ``1 / (n * L_i)``.
+- ``"constant"``: a fixed denominator, ``n * max_tokens`` (Dr. GRPO, TRL's ``dr_grpo``): advantages times
+  ``N / (n * max_tokens)``.
+"""
+
+
+def aggregation_scales(data: Sequence, mode: str, max_tokens: int | None = None) -> list[float]:
+    """The factor each datum's advantages are multiplied by so that the service's ``1 / total_active_tokens``
+    becomes the normaliser of ``mode`` (:data:`LOSS_AGGREGATIONS`), for the datums of *one* ``forward_backward``.
+
+    Exact for losses linear in the advantage (``importance_sampling``, ``ppo`` and ``cispo``: a positive factor
+    scales their per-token loss and gradient); ``dro``'s penalty does not scale with it (the loop refuses it).
+
+    Raises:
+        ValueError: unknown ``mode``; ``"constant"`` without ``max_tokens >= 1``.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_aggregation must be one of {', '.join(map(repr, LOSS_AGGREGATIONS))}, got {mode!r}")
+    lengths = [int(np.sum(d.loss_fn_inputs["target_tokens"].to_numpy() != -100)) for d in data]
+    if mode == "token":
+        return [1.0] * len(data)
+    total, n = sum(lengths), len(data)
+    if mode == "sequence":
+        return [total / (n * length) for length in lengths]
+    if not (isinstance(max_tokens, int) and max_tokens >= 1):
+        raise ValueError(f"loss_aggregation='constant' needs max_tokens >= 1, got {max_tokens!r}")
+    return [total / (n * max_tokens)] * n
+
+
+def scale_advantages(datum, factor: float):
+    """A copy of an ``importance_sampling`` datum with its advantages multiplied by ``factor`` (1: the datum).
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    if factor == 1.0:
+        return datum
+    from pytrio import Datum
+
+    inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
+    inputs["advantages"] = (inputs["advantages"].astype(np.float64) * factor).astype(np.float32)
+    return Datum(model_input=datum.model_input, loss_fn_inputs=inputs)
+
+
+def minibatches(data: Sequence, num_substeps: int) -> list[list]:
+    """Split a step's datums, in order, into ``num_substeps`` contiguous minibatches of near-equal size (the first
+    ones one datum larger); fewer when there are fewer datums (no empty minibatch).
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    if not _is_count(num_substeps):
+        raise ValueError(f"num_substeps must be an integer >= 1, got {num_substeps!r}")
+    k = min(num_substeps, len(data))
+    if k == 0:
+        return []
+    size, extra = divmod(len(data), k)
+    out, start = [], 0
+    for i in range(k):
+        stop = start + size + (i < extra)
+        out.append(list(data[start:stop]))
+        start = stop
+    return out
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+def soft_overlong_penalty(lengths: Sequence[int], max_tokens: int, buffer: int) -> np.ndarray:
+    """DAPO's soft overlong punishment, added to each completion's reward: 0 up to ``max_tokens - buffer`` tokens,
+    then falling linearly to -1 at ``max_tokens``: ``(max_tokens - buffer - length) / buffer``.
+
+    Raises:
+        ValueError: ``buffer`` not in [1, max_tokens].
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    if not (_is_count(buffer) and buffer <= max_tokens):
+        raise ValueError(f"overlong_buffer must be an integer in [1, max_tokens={max_tokens}], got {buffer!r}")
+    n = np.asarray(lengths, dtype=np.float64)
+    return np.minimum(0.0, (max_tokens - buffer - n) / buffer).clip(-1.0, 0.0)
+
+
+def truncated_importance_weights(trainer_lp, sampler_lp, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """Truncated importance sampling (TIS): per token ``min(exp(lp_trainer - lp_sampler), cap)``, and where the
+    cap binds.
+
+    Returns:
+        ``(weights, capped)``: float64 weights and a boolean mask of the tokens whose ratio exceeded ``cap``.
+
+    Introduced in: chapter 10 (notebooks/10_grpo_variants).
+    """
+    ratio = exact.exp(np.asarray(trainer_lp, dtype=np.float64) - np.asarray(sampler_lp, dtype=np.float64))
+    return np.minimum(ratio, cap), ratio > cap
+
+
 def train_on_groups(
     training_client, groups: Sequence[Group], adam_params, skip_degenerate: bool = True,
-    loss_fn: str = "importance_sampling", loss_fn_config: dict | None = None,
+    loss_fn: str = "importance_sampling", loss_fn_config: dict | None = None, *,
+    loss_aggregation: str = "token", max_tokens: int | None = None, num_substeps: int = 1,
 ) -> dict:
     """Build the step's datums, run ``forward_backward``, and only once it succeeded, ``optim_step``.
 
@@ -284,12 +400,20 @@ def train_on_groups(
         loss_fn_config: the loss's settings (e.g. clip bounds); merged with the book's defaults
             (:data:`trio_helpers.losses.LOSS_CONFIG`) and sent in full, so the service clips with the very bounds
             ``train/clip_frac`` is computed with (``None`` would let the service apply its own defaults).
+        loss_aggregation: how per-token losses are averaged (:data:`LOSS_AGGREGATIONS`; ``"token"``: the
+            service's own normaliser), applied per ``forward_backward`` by :func:`aggregation_scales`.
+        max_tokens: the sampling budget (the denominator of ``"constant"``).
+        num_substeps: split the datums into this many minibatches (:func:`minibatches`), each with its own
+            ``forward_backward`` and ``optim_step`` (tinker-cookbook's ``num_substeps``; chapter 10).
 
     Returns:
         The step's training metrics: ``train/datums`` sent, ``train/tokens`` (model-input tokens sent),
         ``train/tokens_skipped`` (tokens the skipped degenerate groups would have added), ``train/loss`` (the
         trainer's ``loss_mean``; NaN when nothing was sent), :func:`ratio_metrics` and the optimizer's metrics
-        prefixed ``optim/``. With no datums (every group degenerate) nothing is sent and the weights stay.
+        prefixed ``optim/``. With no datums (every group degenerate) nothing is sent and the weights stay. With
+        ``num_substeps > 1``: ``train/substeps`` (minibatches sent), ``train/loss`` the mean of their losses, the
+        ratio metrics over all of them (later minibatches see weights moved by earlier ones) and the last
+        ``optim_step``'s metrics.
 
     Raises:
         pytrio.errors.base.PyTrioError: a training call failed after pytrio's retries (no optimizer step was sent
@@ -310,10 +434,28 @@ def train_on_groups(
     from trio_helpers.losses import LOSS_CONFIG, check_loss_config
 
     sent = (check_loss_config(loss_fn, loss_fn_config) or None) if loss_fn in LOSS_CONFIG else loss_fn_config
-    out = training_client.forward_backward(data, loss_fn, sent).result()
-    metrics["train/loss"] = float(out.metrics.get("loss_mean", float("nan")))
-    metrics.update(ratio_metrics(data, out, loss_fn, loss_fn_config))
-    optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded
+    if num_substeps == 1 and loss_aggregation == "token":  # the book's default path, unchanged since chapter 04
+        out = training_client.forward_backward(data, loss_fn, sent).result()
+        metrics["train/loss"] = float(out.metrics.get("loss_mean", float("nan")))
+        metrics.update(ratio_metrics(data, out, loss_fn, loss_fn_config))
+        optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded
+        for k, v in (optim.metrics or {}).items():
+            metrics[f"optim/{k}"] = float(v)
+        return metrics
+    from types import SimpleNamespace
+
+    losses, sent_data, outputs = [], [], []
+    for part in minibatches(data, num_substeps):
+        part = [scale_advantages(d, f) for d, f in zip(part, aggregation_scales(part, loss_aggregation, max_tokens))]
+        out = training_client.forward_backward(part, loss_fn, sent).result()
+        losses.append(float(out.metrics.get("loss_mean", float("nan"))))
+        sent_data += part
+        outputs += list(getattr(out, "loss_fn_outputs", None) or [])
+        optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded
+    metrics["train/loss"] = float(np.mean(losses))
+    if num_substeps > 1:
+        metrics["train/substeps"] = float(len(losses))
+    metrics.update(ratio_metrics(sent_data, SimpleNamespace(loss_fn_outputs=outputs), loss_fn, loss_fn_config))
     for k, v in (optim.metrics or {}).items():
         metrics[f"optim/{k}"] = float(v)
     return metrics

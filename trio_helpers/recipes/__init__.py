@@ -176,6 +176,20 @@ def loop_parser(prog: str, description: str, defaults, run_dir: str) -> argparse
                    help="weight of the per-token KL penalty to the reference (base) model; 0: off (chapter 09)")
     p.add_argument("--ref-model-path", default=None,
                    help="sampler weights of the reference instead of the base model (with --ref-kl-coef)")
+    from trio_helpers.rl import LOSS_AGGREGATIONS
+
+    v = p.add_argument_group("GRPO variants (chapter 10; all off by default)")
+    v.add_argument("--loss-aggregation", choices=LOSS_AGGREGATIONS, default=d.loss_aggregation,
+                   help="token: the service's total_active_tokens; sequence: per-completion mean; constant: "
+                        "Dr. GRPO's datums x max_tokens")
+    v.add_argument("--num-substeps", type=pos, default=d.num_substeps,
+                   help="minibatches per sampled batch, each with forward_backward + optim_step")
+    v.add_argument("--clip-higher", type=number_where("a number >= 1", lambda x: x >= 1), default=None,
+                   help="DAPO clip-higher: upper ratio bound of ppo/cispo (e.g. 1.28)")
+    v.add_argument("--dynamic-sampling", type=int_at_least(0), default=d.dynamic_sampling,
+                   help="DAPO dynamic sampling: at most N extra prompts per step to replace degenerate groups")
+    v.add_argument("--tis-cap", type=number_where("a number >= 1", lambda x: x >= 1), default=None,
+                   help="truncated importance sampling: cap C on exp(lp_train - lp_sampler) (default off)")
     p.add_argument("--swanlab", nargs="?", const="online", default="disabled", choices=SWANLAB_MODES,
                    help="log to SwanLab: online (needs `swanlab login`), offline (sync later) or disabled")
     p.add_argument("--no-swanlab", dest="swanlab", action="store_const", const="disabled",

@@ -24,6 +24,7 @@ from trio_helpers.loop import total_steps_for
 from trio_helpers.recipes import (
     check_settings,
     connect_from_args,
+    int_at_least,
     load_data,
     loop_parser,
     print_dry_run,
@@ -45,7 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                     DEFAULT_RUN_DIR)
     g = p.add_argument_group("GRPO")
     g.add_argument("--advantage", choices=ADVANTAGES, default=d.advantage,
-                   help="'mean': reward - group mean; 'std': also divided by the group's std")
+                   help="'mean': reward - group mean; 'std': also divided by the group's std; 'none': raw reward")
+    from trio_helpers.grpo import OVERLONG
+
+    g.add_argument("--overlong", choices=OVERLONG, default=d.overlong,
+                   help="completions cut off at --max-tokens: keep, drop from the loss, or DAPO's soft penalty")
+    g.add_argument("--overlong-buffer", type=int_at_least(0), default=d.overlong_buffer,
+                   help="with --overlong penalty: the penalty ramps to -1 over this many last tokens")
     g.add_argument("--keep-degenerate", action="store_true",
                    help="send datums of groups whose rewards are all equal (zero advantage) instead of skipping")
     return p

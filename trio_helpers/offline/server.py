@@ -23,13 +23,11 @@ Start one with :func:`start_server` (a daemon thread, 127.0.0.1, a free port) an
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
 import re
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -84,14 +82,6 @@ from trio_helpers.offline.tokenizer import get_offline_tokenizer
 OFFLINE_API_KEY = "trio-offline-local-key"
 JWT_LIFETIME = timedelta(days=1)  # pytrio renews a JWT that expires within 300 s before every request
 TEMPORARY = "TEMPORARY"
-
-# pytrio tries `import torch` for every tensor it builds (TensorData.convert_input). Without torch installed, each
-# try searches the import path again while holding Python's lock for that module name. If a garbage collection in
-# the server's compute thread then finalizes an earlier pytrio client during such a try, the finalizer waits for that
-# client's event loop to close its session, and the loop waits for the same import lock: a deadlock (seen in the test
-# suite). Recording once that torch is absent makes every later try fail at once, without the lock or the search.
-if importlib.util.find_spec("torch") is None:
-    sys.modules.setdefault("torch", None)
 
 
 def _now() -> datetime:

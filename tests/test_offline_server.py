@@ -290,3 +290,18 @@ def test_dropping_the_clients_ends_the_runs(server):
     del svc
     gc.collect()
     assert server.runs()[cuid]["ended"]
+
+
+def test_forward_outputs_are_built_without_pydantic_validation_on_the_compute_thread():
+    """TensorData's validator tries `import torch` every time; on the compute thread such a try held the import lock
+    while a garbage-collected client's finalizer, run there, waited for its event loop, which needed the lock (the
+    suite hung). The compute thread builds the same value with model_construct."""
+    import numpy as np
+    from pytrio.types import TensorData
+
+    from trio_helpers.offline.service import _logprob_tensor
+
+    values = np.array([-0.5, -1.25, 0.0, -3.0e-7])
+    built, validated = _logprob_tensor(values), TensorData.from_numpy(values.astype(np.float32))
+    assert built == validated and built.model_dump() == validated.model_dump()
+    assert _logprob_tensor(np.zeros(0)).model_dump() == TensorData.from_numpy(np.zeros(0, np.float32)).model_dump()

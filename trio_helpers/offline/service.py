@@ -513,6 +513,19 @@ def _unpack_adam(ckpt: dict) -> dict:
     return state
 
 
+def _logprob_tensor(logprobs: np.ndarray) -> TensorData:
+    """A float32 ``TensorData`` of per-token logprobs, built without pydantic's validation.
+
+    ``TensorData``'s validator tries ``import torch`` on every construction. On the compute thread that matters:
+    without torch installed each try takes Python's import lock for the name, and if a garbage collection during it
+    finalizes an earlier pytrio client (its session close runs on that client's event loop, which imports too), the
+    two threads wait for each other (the test suite hung so with the loopback server). The fields are those
+    ``TensorData.from_numpy`` sets, so the value is the same.
+    """
+    array = np.asarray(logprobs, dtype=np.float32)
+    return TensorData.model_construct(data=array.reshape(-1).tolist(), dtype="float32", shape=list(array.shape))
+
+
 class OfflineTrainingClient:
     """Offline twin of ``pytrio.TrainingClient``: a LoRA adapter on a frozen offline base model."""
 
@@ -602,7 +615,7 @@ class OfflineTrainingClient:
                     self._grads[k] += g
         return ForwardBackwardOutput(
             loss_fn_outputs=[
-                {"logprobs": TensorData.from_numpy(lp.astype(np.float32))} for lp in result.per_sample_logprobs
+                {"logprobs": _logprob_tensor(lp)} for lp in result.per_sample_logprobs
             ],
             metrics={
                 "loss_sum": result.loss_sum,

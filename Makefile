@@ -21,7 +21,9 @@ STAMP := $(VENV)/.installed
 
 # Environment for executing chapters: offline backend, no hub downloads, the kernel's own inline
 # matplotlib backend (an inherited MPLBACKEND=Agg would drop every figure), the venv's kernel spec.
-RUN_ENV := env -u MPLBACKEND TRIO_BACKEND=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 JUPYTER_PREFER_ENV_PATH=1
+# One BLAS thread: for speed only (the offline numbers are the same bits on any thread count; see conftest.py).
+RUN_ENV := env -u MPLBACKEND TRIO_BACKEND=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 JUPYTER_PREFER_ENV_PATH=1 \
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 CELL_TIMEOUT := 600
 
 .PHONY: help venv test test-service book book-zh catalogs notebook notebooks clean

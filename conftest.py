@@ -19,6 +19,12 @@ from pathlib import Path
 import pytest
 
 os.environ["TRIO_BACKEND"] = "offline"
+# One BLAS thread in every notebook kernel (they inherit this environment), for speed only: the offline arithmetic
+# gives the same bits on any thread count (trio_helpers/offline/exact.py), but the models' matrices are small and
+# OpenBLAS's threads spin while they wait, so with three pytest workers on two cores a threaded BLAS cost the book
+# 112 s of CPU instead of 71 s (python benchmarks/bench_book.py, with and without OPENBLAS_NUM_THREADS=1).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests never download models or data sets: make the Hugging Face libraries fail fast instead of retrying.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

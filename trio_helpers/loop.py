@@ -437,6 +437,24 @@ def sampler_version(config: LoopConfig, step: int, start: int = 0) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- one step
+async def completion_logprobs(sampler, group, seq, limiter: RequestLimiter, what: str) -> np.ndarray:
+    """``sampler.compute_logprobs(prompt + completion)`` through the limiter: the completion's part, as float64.
+
+    Raises:
+        RuntimeError: the sampler returned a list of the wrong length.
+
+    Introduced in: chapter 09 (notebooks/09_sft_and_kl).
+    """
+    from pytrio import ModelInput
+
+    p = group.prompt.to_ints()
+    full = await limiter.call(lambda: sampler.compute_logprobs_async(ModelInput.from_ints(p + list(seq.tokens))),
+                              what=what, index=group.index)
+    if len(full) != len(p) + len(seq.tokens):
+        raise RuntimeError(f"{what} returned {len(full)} logprobs for {len(p) + len(seq.tokens)} tokens")
+    return np.asarray(full[len(p):], dtype=np.float64)
+
+
 async def ref_kl_penalty(group, ref, coef: float, limiter: RequestLimiter):
     """Fold a KL penalty to the reference into a scored group: per token, ``A - coef * (logp - logp_ref)``.
 
@@ -448,19 +466,9 @@ async def ref_kl_penalty(group, ref, coef: float, limiter: RequestLimiter):
 
     Introduced in: chapter 09 (notebooks/09_sft_and_kl).
     """
-    from pytrio import ModelInput
-
-    p = group.prompt.to_ints()
-
-    async def ref_logprobs(seq):
-        full = await limiter.call(lambda: ref.compute_logprobs_async(ModelInput.from_ints(p + list(seq.tokens))),
-                                  what="reference compute_logprobs", index=group.index)
-        if len(full) != len(p) + len(seq.tokens):
-            raise RuntimeError(f"the reference returned {len(full)} logprobs for {len(p) + len(seq.tokens)} tokens")
-        return np.asarray(full[len(p):], dtype=np.float64)
-
     kept = [i for i, s in enumerate(group.sequences) if s.tokens]
-    refs = await asyncio.gather(*(ref_logprobs(group.sequences[i]) for i in kept))
+    refs = await asyncio.gather(*(completion_logprobs(ref, group, group.sequences[i], limiter,
+                                                      "reference compute_logprobs") for i in kept))
     advantages = list(group.advantages)
     ref_lps: list = [None] * len(group.sequences)
     for i, ref_lp in zip(kept, refs):
@@ -485,22 +493,11 @@ async def truncated_importance(group, sampler, cap: float, limiter: RequestLimit
 
     Introduced in: chapter 10 (notebooks/10_grpo_variants).
     """
-    from pytrio import ModelInput
-
     from trio_helpers.rl import truncated_importance_weights
 
-    p = group.prompt.to_ints()
-
-    async def logprobs(seq):
-        full = await limiter.call(lambda: sampler.compute_logprobs_async(ModelInput.from_ints(p + list(seq.tokens))),
-                                  what="TIS compute_logprobs", index=group.index)
-        if len(full) != len(p) + len(seq.tokens):
-            raise RuntimeError(f"compute_logprobs returned {len(full)} logprobs for {len(p) + len(seq.tokens)} "
-                               "tokens")
-        return np.asarray(full[len(p):], dtype=np.float64)
-
     kept = [i for i, s in enumerate(group.sequences) if s.tokens]
-    new = await asyncio.gather(*(logprobs(group.sequences[i]) for i in kept))
+    new = await asyncio.gather(*(completion_logprobs(sampler, group, group.sequences[i], limiter,
+                                                     "TIS compute_logprobs") for i in kept))
     advantages = list(group.advantages)
     train_lps = [s.logprobs for s in group.sequences]
     capped: list = [None] * len(group.sequences)

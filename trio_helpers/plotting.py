@@ -99,3 +99,70 @@ def plot_metric(ax, history: Sequence[dict], key: str, window: int = 5, label: s
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     return ax
+
+
+HEALTH_PANELS = (
+    ("reward/mean", "reward (GRPO) or KL to the teacher (OPD)", ("kl/teacher_mean",)),
+    ("completion/entropy", "entropy estimate (nats/token): collapse shows as a fall to ~0", ()),
+    ("completion/tokens_mean", "completion length (mean, and max dashed)", ()),
+    ("completion/frac_max_tokens", "share cut at max_tokens: the budget binds", ()),
+    ("reward/frac_degenerate", "share of degenerate groups: no signal", ()),
+    ("train/clip_frac", "share of tokens clipped; policy lag dashed", ()),
+    ("optim/grad_norm", "gradient norm (as optim_step reports it)", ()),
+    ("kl/ref_mean", "KL to the reference (with a KL penalty)", ()),
+)
+"""The panels of :func:`plot_health`: ``(metric key, title, fallback keys)``, in reading order."""
+
+
+def plot_health(history: Sequence[dict], window: int = 5, title: str | None = None):
+    """A run's health panel: one small plot per signal that gives a sick run away, from its ``metrics.jsonl`` rows
+    (``read_metrics(run_dir)``, the same file on the service and offline).
+
+    Panels (:data:`HEALTH_PANELS`) whose metric the run never logged (an OPD run has no reward, a run without a KL
+    penalty no ``kl/ref_mean``) are left out; a step that lacks a panel's metric or logged it as null (a step
+    that trained nothing has no ``train/*`` ratios and no ``optim/*``) is a gap in its line. Each panel shows the
+    raw values and a ``window``-step rolling mean (:func:`plot_metric`).
+
+    Returns:
+        The matplotlib ``Figure`` (call ``plt.show()`` in a notebook).
+
+    Raises:
+        ValueError: ``history`` is empty or logs none of the panels' metrics.
+
+    Introduced in: chapter 11 (notebooks/11_tuning_and_monitoring).
+    """
+    import matplotlib.pyplot as plt
+
+    rows = list(history)
+    if not rows:
+        raise ValueError("history is empty: pass the rows of a run's metrics.jsonl (trio_helpers.tracking."
+                         "read_metrics(run_dir)) or a result's .history")
+    present = []
+    for key, label, fallbacks in HEALTH_PANELS:
+        for candidate in (key, *fallbacks):
+            if any(candidate in row for row in rows):
+                present.append((candidate, label))
+                break
+    keys = {key for key, _ in present} | {"completion/tokens_max", "train/policy_lag"}
+    rows = [{**dict.fromkeys(keys), **row} for row in rows]  # a missing value is a gap
+    if not present:
+        raise ValueError(f"none of the health metrics is in these rows (keys: {sorted(rows[0])[:8]} ...); "
+                         "pass the rows of a training run's metrics.jsonl")
+    cols = 2
+    nrows = (len(present) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(7.5, 2.1 * nrows), squeeze=False, sharex=True)
+    for ax, (key, label) in zip(axes.flat, present):
+        plot_metric(ax, rows, key, window=window, label=key.split("/", 1)[1])
+        extra = {"completion/tokens_mean": "completion/tokens_max", "train/clip_frac": "train/policy_lag"}.get(key)
+        if extra and any(row[extra] is not None for row in rows):
+            ax.plot([row["step"] for row in rows], [np.nan if row[extra] is None else row[extra] for row in rows],
+                    ls="--", lw=1, color="0.4", label=extra.split("/", 1)[1])
+        ax.set_title(label, fontsize=8)
+        ax.set_ylabel("")
+        ax.legend(fontsize=6, loc="best")
+    for ax in list(axes.flat)[len(present):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

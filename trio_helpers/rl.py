@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -303,9 +304,9 @@ def aggregation_scales(data: Sequence, mode: str, max_tokens: int | None = None)
     """
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_aggregation must be one of {', '.join(map(repr, LOSS_AGGREGATIONS))}, got {mode!r}")
-    lengths = [int(np.sum(d.loss_fn_inputs["target_tokens"].to_numpy() != -100)) for d in data]
     if mode == "token":
         return [1.0] * len(data)
+    lengths = [int(np.sum(d.loss_fn_inputs["target_tokens"].to_numpy() != -100)) for d in data]
     total, n = sum(lengths), len(data)
     if mode == "sequence":
         return [total / (n * length) for length in lengths]
@@ -434,17 +435,7 @@ def train_on_groups(
     from trio_helpers.losses import LOSS_CONFIG, check_loss_config
 
     sent = (check_loss_config(loss_fn, loss_fn_config) or None) if loss_fn in LOSS_CONFIG else loss_fn_config
-    if num_substeps == 1 and loss_aggregation == "token":  # the book's default path, unchanged since chapter 04
-        out = training_client.forward_backward(data, loss_fn, sent).result()
-        metrics["train/loss"] = float(out.metrics.get("loss_mean", float("nan")))
-        metrics.update(ratio_metrics(data, out, loss_fn, loss_fn_config))
-        optim = training_client.optim_step(adam_params).result()  # only after forward_backward succeeded
-        for k, v in (optim.metrics or {}).items():
-            metrics[f"optim/{k}"] = float(v)
-        return metrics
-    from types import SimpleNamespace
-
-    losses, sent_data, outputs = [], [], []
+    losses, sent_data, outputs = [], [], []  # one minibatch, unscaled, by default (chapter 04's step)
     for part in minibatches(data, num_substeps):
         part = [scale_advantages(d, f) for d, f in zip(part, aggregation_scales(part, loss_aggregation, max_tokens))]
         out = training_client.forward_backward(part, loss_fn, sent).result()

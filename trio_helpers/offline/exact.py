@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-__all__ = ["matmul", "exp", "log", "log_softmax", "cos", "ipow", "GRID_BITS", "on_grid"]
+__all__ = ["matmul", "exp", "log", "cos", "ipow", "GRID_BITS", "on_grid"]
 
 # ---- matrix products ---------------------------------------------------------------------------------------------
 
@@ -194,12 +194,6 @@ def _log(x: np.ndarray) -> np.ndarray:
         out = np.where(x == 0.0, -np.inf, np.where(x == np.inf, np.inf, np.where(x > 0.0, out, np.nan)))
         out = np.where(np.isnan(x), np.nan, out)
     return out if out.ndim else out[()]
-
-
-def log_softmax(z: np.ndarray) -> np.ndarray:
-    """Row-wise ``z - max z - log(sum exp(z - max z))`` with this module's exp and log."""
-    s = z - z.max(axis=-1, keepdims=True)
-    return s - log(exp(s).sum(axis=-1, keepdims=True))
 
 
 # ---- scalars -------------------------------------------------------------------------------------------------------

@@ -110,6 +110,45 @@ def test_matmul_does_not_depend_on_the_summation_order_or_the_other_rows():
     assert np.array_equal(exact.matmul(np.asfortranarray(a), b), whole)  # memory layout: another BLAS path
 
 
+def test_pre_rounded_operands_give_the_same_bits():
+    """``Rounded`` (a frozen weight rounded once, a hidden state shared by two products) changes no bit, and keeps
+    its own copy: a later change to the array does not reach it."""
+    rng = np.random.default_rng(8)
+    a, b, c = rng.normal(size=(5, 32)), rng.normal(size=(32, 261)), rng.normal(size=(32, 8))
+    left, right = exact.Rounded(a, "left"), exact.Rounded(b)
+    for x, y, want in ((left, b, exact.matmul(a, b)), (a, right, exact.matmul(a, b)),
+                       (left, right, exact.matmul(a, b)), (left, c, exact.matmul(a, c))):
+        assert np.array_equal(exact.matmul(x, y), want)
+    b[0, 0] += 1.0
+    assert np.array_equal(exact.matmul(a, right), exact.matmul(a, b - _bump(b.shape)))
+    with pytest.raises(ValueError, match="side='left'"):  # a row-rounded operand on the right
+        exact.matmul(a, exact.Rounded(c, "left"))
+    with pytest.raises(ValueError, match="do not align"):
+        exact.matmul(left, rng.normal(size=(31, 2)))
+
+
+def _bump(shape):
+    out = np.zeros(shape)
+    out[0, 0] = 1.0
+    return out
+
+
+def test_log_of_a_few_values_takes_the_scalar_path_with_the_same_bits():
+    """``log`` of up to ``_SMALL`` values runs on Python floats (faster than numpy's per-call overhead): the same
+    operations, so the same bits as the array path, over the whole range including subnormals."""
+    rng = np.random.default_rng(9)
+    xs = np.concatenate([rng.random(20000) * 10, exact.exp(rng.uniform(-700, 700, 20000)),
+                         rng.random(200) * 1e-310, [5e-324, np.finfo(float).max, 1.0, 0.5, np.sqrt(0.5)]])
+    with np.errstate(all="ignore"):
+        vector = exact._log(xs)
+    scalar = np.array([exact._log_one(v) for v in xs.tolist()])
+    assert np.array_equal(vector.view(np.int64), scalar.view(np.int64))
+    few = xs[:exact._SMALL]
+    assert np.array_equal(exact.log(few), vector[:exact._SMALL])
+    assert np.array_equal(exact.log(few.reshape(2, -1)), vector[:exact._SMALL].reshape(2, -1))
+    assert np.isnan(exact.log(np.array([-1.0, 2.0]))[0]) and exact.log(np.array([0.0]))[0] == -np.inf
+
+
 def test_matmul_edge_cases():
     assert exact.matmul(np.zeros((3, 0)), np.zeros((0, 4))).shape == (3, 4)
     z = exact.matmul(np.zeros((2, 5)), np.ones((5, 3)))

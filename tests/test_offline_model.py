@@ -39,6 +39,11 @@ def tok(svc):
     return svc.create_sampling_client(MODEL).get_tokenizer()
 
 
+def float64_matmul(a, b):
+    """numpy's float64 product in place of the exact one (for finite differences), also for pre-rounded operands."""
+    return np.matmul(getattr(a, "value", a), getattr(b, "value", b))
+
+
 def chat_prompt(tok, question: str) -> list[int]:
     text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)
@@ -245,7 +250,7 @@ def test_gradients_match_finite_differences(svc, loss_fn, config, auto_shift, mo
     """The calculus: analytic gradients against central differences, with the model's matrix products in plain
     float64 (``exact.matmul`` rounds its operands to 24 bits, a step far coarser than a useful ``eps``; the next
     test checks that the rounded products give the same gradients to that precision)."""
-    monkeypatch.setattr(exact, "matmul", np.matmul)
+    monkeypatch.setattr(exact, "matmul", float64_matmul)
     rng = np.random.default_rng(7)
     tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=3)
     set_b(tc)
@@ -304,7 +309,7 @@ def test_rounded_products_give_the_float64_gradients_to_their_precision(svc, los
     tc.forward_backward(data, loss_fn=loss_fn).result()
     rounded = {k: v.copy() for k, v in tc._grads.items()}
     tc._grads = None
-    monkeypatch.setattr(exact, "matmul", np.matmul)
+    monkeypatch.setattr(exact, "matmul", float64_matmul)
     tc.forward_backward(data, loss_fn=loss_fn).result()
     for k in ("A", "B"):
         g = tc._grads[k]

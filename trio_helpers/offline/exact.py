@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-__all__ = ["matmul", "exp", "log", "cos", "ipow", "GRID_BITS", "on_grid"]
+__all__ = ["matmul", "Rounded", "exp", "log", "cos", "ipow", "GRID_BITS", "on_grid"]
 
 # ---- matrix products ---------------------------------------------------------------------------------------------
 
@@ -45,30 +45,65 @@ def _block_round(x: np.ndarray, bits: int, axis: int) -> tuple[np.ndarray, np.nd
     two shared along ``axis`` (one per row for ``axis=1``, per column for ``axis=0``), set by the largest magnitude
     there."""
     q = np.abs(x)
-    _, top = np.frexp(q.max(axis=axis, keepdims=True))  # every |x| < 2**top along the axis
+    _, top = np.frexp(np.maximum.reduce(q, axis=axis, keepdims=True))  # every |x| < 2**top along the axis
     shift = np.minimum(bits - top, 1000)  # (a row of zeros or of subnormals: 2**shift stays finite)
     np.multiply(x, np.ldexp(1.0, shift), out=q)  # exact: a power of two
     np.rint(q, out=q)
     return q, np.ldexp(1.0, -shift)
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _widths(k: int) -> tuple[int, int]:
+    """Significant bits of the left and the right operand's entries for an inner dimension ``k``: they add up to
+    ``53 - ceil(log2 k)``, leaving ``ceil(log2 k)`` bits for the sum of ``k`` products."""
+    budget = 53 - (k - 1).bit_length()
+    return budget // 2, budget - budget // 2
+
+
+class Rounded:
+    """An operand of :func:`matmul` rounded once, for an operand used in several products: a model's frozen output
+    matrix, a sampler's adapter (``side="right"``: rounded per column) or a hidden state multiplied by two matrices
+    (``side="left"``: per row). ``matmul`` with it is the same bits as with the array; it only skips rounding it
+    again. The rounded copy is made at once, so later changes to the array do not reach it; ``value`` is the array
+    it was made from (for tests that compute the float64 product instead)."""
+
+    def __init__(self, x: np.ndarray, side: str = "right") -> None:
+        if side not in ("left", "right"):
+            raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+        x = np.asarray(x, dtype=np.float64)
+        self.value, self.shape, self.side = x, x.shape, side
+        self.k = x.shape[0] if side == "right" else x.shape[1]
+        if x.size:
+            bits = _widths(self.k)[1 if side == "right" else 0]
+            self.q, self.scale = _block_round(x, bits, axis=0 if side == "right" else 1)
+
+
+def _operand(x, side: str) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(x, Rounded):
+        if x.side != side:
+            raise ValueError(f"matmul: a Rounded(side={x.side!r}) operand used on the {side}")
+        return x.q, x.scale
+    k = x.shape[0] if side == "right" else x.shape[1]
+    return _block_round(x, _widths(k)[1 if side == "right" else 0], axis=0 if side == "right" else 1)
+
+
+def matmul(a: np.ndarray | Rounded, b: np.ndarray | Rounded) -> np.ndarray:
     """``a @ b`` for 2-D float arrays, computed exactly from a rounded copy of each operand (see the module text).
 
     Every row of ``a`` and every column of ``b`` is rounded to ``bits`` significant bits below its largest entry,
     where the two widths add up to ``53 - ceil(log2 K)`` for an inner dimension ``K``; the products of the
     resulting integers then sum below ``2**53`` exactly in any order, and scaling the sums back by powers of two
-    is an IEEE operation on each entry.
+    is an IEEE operation on each entry. Either operand may be given pre-rounded (:class:`Rounded`).
     """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    k = a.shape[1]
-    if k == 0 or a.shape[0] == 0 or b.shape[1] == 0:
+    if not isinstance(a, Rounded):
+        a = np.asarray(a, dtype=np.float64)
+    if not isinstance(b, Rounded):
+        b = np.asarray(b, dtype=np.float64)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
+    if a.shape[1] == 0 or a.shape[0] == 0 or b.shape[1] == 0:
         return np.zeros((a.shape[0], b.shape[1]))
-    budget = 53 - (k - 1).bit_length()  # ceil(log2 k) bits for the sum of k products
-    bits_a = budget // 2
-    qa, sa = _block_round(a, bits_a, axis=1)
-    qb, sb = _block_round(b, budget - bits_a, axis=0)
+    qa, sa = _operand(a, "left")
+    qb, sb = _operand(b, "right")
     out = qa @ qb
     out *= sa
     out *= sb
@@ -165,12 +200,36 @@ _LN2_LO = 1.90821492927058770002e-10
 _ATANH = tuple(1.0 / (2 * i + 1) for i in range(1, 12))
 
 
+_SMALL = 8  # up to this many positive finite entries, Python floats are faster than numpy's per-call overhead
+
+
 def log(x) -> np.ndarray:
     """Natural logarithm elementwise (float64), the same bits on every machine; error below about 2 units in the
     last place. ``log(0) = -inf``, negative arguments give ``nan``."""
     x = np.asarray(x, dtype=np.float64)
+    if x.size <= _SMALL and x.ndim and bool((x > 0.0).all() and (x < np.inf).all()):
+        return np.array([_log_one(v) for v in x.reshape(-1).tolist()]).reshape(x.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         return _log(x)
+
+
+def _log_one(x: float) -> float:
+    """:func:`_log` of one positive finite Python float: the same operations in the same order on IEEE doubles
+    (each rounded once, as numpy's elementwise ones are), so the same bits (tests/test_exact.py compares)."""
+    m, e = math.frexp(x)
+    if m < _SQRT_HALF:
+        m, e = m + m, e - 1
+    f = m - 1.0
+    s = f / (f + 2.0)
+    z = s * s
+    poly = _ATANH[-1]
+    for c in _ATANH[-2::-1]:
+        poly = poly * z
+        poly = poly + c
+    poly = poly * z
+    ef = float(e)
+    poly = poly + poly
+    return ef * _LN2_HI + (ef * _LN2_LO + (f - s * (f - poly)))
 
 
 def _log(x: np.ndarray) -> np.ndarray:

@@ -223,6 +223,7 @@ class BaseWeights:
 
     def __post_init__(self) -> None:
         self.E = exact.on_grid(self.E)
+        self.W_rounded = exact.Rounded(self.W)  # W is frozen: round it for matmul once
 
     @property
     def dim(self) -> int:
@@ -395,21 +396,24 @@ def _row_offsets(half: int) -> np.ndarray:
 
 def shifted_exp(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(s, exp(s))`` with ``s = z - max z`` row by row: ``log_softmax(z) == s - log(sum exp(s))``."""
-    s = z - z.max(axis=-1, keepdims=True)
+    s = z - np.maximum.reduce(z, axis=-1, keepdims=True)
     return s, exact.exp(s)
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
     s, e = shifted_exp(z)
-    return s - exact.log(e.sum(axis=-1, keepdims=True))
+    return s - exact.log(np.add.reduce(e, axis=-1, keepdims=True))
 
 
 class TinyLM:
     """Base weights plus (optionally) an adapter; computes logits, logprobs and gradients."""
 
-    def __init__(self, base: BaseWeights, adapter: Adapter | None = None) -> None:
+    def __init__(self, base: BaseWeights, adapter: Adapter | None = None, frozen: bool = False) -> None:
+        """``frozen``: the adapter never changes (a sampler's snapshot), so its matrices are rounded for the
+        products once (:class:`trio_helpers.offline.exact.Rounded`; the same bits, less work per decoding step)."""
         self.base = base
         self.adapter = adapter
+        self._AB = (exact.Rounded(adapter.A), exact.Rounded(adapter.B)) if frozen and adapter is not None else None
 
     def rows(self, keys: np.ndarray) -> np.ndarray:
         return table_rows(keys, self.base.table_size)
@@ -425,11 +429,13 @@ class TinyLM:
         equal the sampler's.
         """
         h = self.hidden(keys)
-        z = exact.matmul(h, self.base.W)
+        hr = exact.Rounded(h, "left")  # rounded once for both products with h
+        z = exact.matmul(hr, self.base.W_rounded)
         z += self.base.b
         if self.adapter is not None:
             a = self.adapter
-            delta = exact.matmul(exact.matmul(h, a.A), a.B)
+            A, B = self._AB or (a.A, a.B)
+            delta = exact.matmul(exact.matmul(hr, A), B)
             delta *= a.scale
             z += delta
             slots = keys[:, NUM_FEATURES]
@@ -447,7 +453,7 @@ class TinyLM:
         :meth:`logprobs_all`, for callers that need only some of its entries."""
         h, z = self.forward(keys)
         s, e = shifted_exp(z)
-        return h, s, exact.log(e.sum(axis=-1, keepdims=True))
+        return h, s, exact.log(np.add.reduce(e, axis=-1, keepdims=True))
 
     def adapter_grads(self, h, slots, logp, targets, coef):
         """Gradients of ``L`` with respect to the adapter, given ``coef_i = dL/dlp_i`` for target logprobs ``lp_i``.
@@ -512,7 +518,7 @@ def _draw(z: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     s, e = shifted_exp(z)
     choice = _inverse_cdf(e, u)
-    return choice, s[np.arange(len(z)), choice] - exact.log(e.sum(axis=-1))
+    return choice, s[np.arange(len(z)), choice] - exact.log(np.add.reduce(e, axis=-1))
 
 
 def choose_rows(z: np.ndarray, u: np.ndarray | None, temperature: float, top_k: int,

@@ -467,7 +467,7 @@ class OfflineServer:
                 elif uri:
                     adapter = _adapter_from(_load_checkpoint(self.options.home, uri, kind="weights"))
                 base = catalog.base_weights(run.base_model, self.options.home)
-                run.state = OfflineSamplingClient(self._backend, run.base_model, TinyLM(base, adapter),
+                run.state = OfflineSamplingClient(self._backend, run.base_model, TinyLM(base, adapter, frozen=True),
                                                   model_path=uri or None)
             return run.state
 

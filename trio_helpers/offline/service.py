@@ -440,7 +440,7 @@ class OfflineServiceClient:
 
         def build() -> OfflineSamplingClient:
             base = catalog.base_weights(base_model, self.options.home)
-            return OfflineSamplingClient(self, base_model, TinyLM(base, adapter),
+            return OfflineSamplingClient(self, base_model, TinyLM(base, adapter, frozen=True),
                                          model_path=model_path)
 
         return self._control(build, "create_sampling_run", via)
@@ -768,7 +768,7 @@ class OfflineTrainingClient:
     # --- samplers ----------------------------------------------------------------------------------------
     def _snapshot_sampler(self, snapshot: Adapter) -> Future:
         def build() -> OfflineSamplingClient:
-            model = TinyLM(self._model.base, snapshot)
+            model = TinyLM(self._model.base, snapshot, frozen=True)
             return OfflineSamplingClient(self._service, self.base_model, model)
 
         return self._service._control(build, "create_sampling_run", (self._ledger,))

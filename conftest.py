@@ -44,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Longest first (times from `python benchmarks/bench_book.py`), so that pytest-xdist, which hands files to its
 # workers in collection order (`make test` passes --no-loadscope-reorder), never starts a long chapter last.
 SLOWEST_FIRST = ("07_evaluation", "05_grpo_async", "06_opd", "04_grpo_sync", "08_losses", "09_sft_and_kl",
+                 "11_tuning_and_monitoring",
                  "02_reward_parsing", "01_gsm8k_data", "03_datum_alignment")
 
 

@@ -43,8 +43,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Longest first (times from `python benchmarks/bench_book.py`), so that pytest-xdist, which hands files to its
 # workers in collection order (`make test` passes --no-loadscope-reorder), never starts a long chapter last.
-SLOWEST_FIRST = ("07_evaluation", "05_grpo_async", "06_opd", "04_grpo_sync", "08_losses", "10_grpo_variants",
-                 "09_sft_and_kl", "02_reward_parsing", "01_gsm8k_data", "03_datum_alignment")
+SLOWEST_FIRST = ("07_evaluation", "05_grpo_async", "06_opd", "04_grpo_sync", "08_losses", "11_tuning_and_monitoring",
+                 "10_grpo_variants", "09_sft_and_kl", "02_reward_parsing", "01_gsm8k_data", "03_datum_alignment")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

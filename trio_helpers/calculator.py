@@ -62,7 +62,7 @@ TOOL_SCHEMA = {
     "type": "function",
     "function": {
         "name": TOOL_NAME,
-        "description": "Evaluate an arithmetic expression with + - * / and parentheses; returns the number.",
+        "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
         "parameters": {
             "type": "object",
             "properties": {"expression": {"type": "string", "description": "e.g. 48/2"}},

@@ -181,3 +181,25 @@ def test_the_calculator_prompt_offline_is_chapter_01s() -> None:
     tok = get_offline_tokenizer()
     record = {"question": "Ann has 3 apples and buys 4 more. How many now?", "answer": "#### 7"}
     assert CalculatorEnv(tok).reset(record) == CalculatorEnv(tok, declare_tool=False).reset(record)
+
+
+def test_config_bill_bounds_episodes_by_hand() -> None:
+    from trio_helpers.costs import config_bill
+
+    single = config_bill(small(steps=2), prompt_tokens=100)
+    assert "requests" not in single and single["sampled"] == 2 * 2 * 3 * 10
+    # 12 episodes of at most 3 turns of 10 tokens; replies of at most 5 tokens
+    bill = config_bill(small(steps=2, env="calculator"), prompt_tokens=100, reply_tokens=5)
+    assert bill["sampled"] == 12 * 3 * 10 and bill["requests"] == 12 * 3
+    assert bill["prompt"] == 12 * (100 + 115 + 130)  # turn k re-sends 100 + k * (10 + 5)
+    assert bill["training"] == 12 * (100 + 3 * 10 + 2 * 5 - 1)
+
+
+def test_the_dry_run_of_episodes_probes_the_tool_model(recipe_home, monkeypatch) -> None:
+    from test_loop_failures import GRPO_RECIPE, run_recipe
+
+    done = run_recipe(GRPO_RECIPE, ["--env", "calculator", "--steps", "2", "--batch-size", "1", "--group-size",
+                                    "2", "--max-tokens", "120", "--dry-run"], monkeypatch)
+    assert done.code == 0, done.err
+    assert "offline stand-in 'Qwen/Qwen3.5-9B', which calls tools" in done.out
+    assert "one sampling request each" in done.out

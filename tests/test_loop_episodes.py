@@ -203,3 +203,22 @@ def test_the_dry_run_of_episodes_probes_the_tool_model(recipe_home, monkeypatch)
     assert done.code == 0, done.err
     assert "offline stand-in 'Qwen/Qwen3.5-9B', which calls tools" in done.out
     assert "one sampling request each" in done.out
+
+
+def test_the_offline_chat_template_renders_tool_messages_as_the_environment_writes_them() -> None:
+    """Qwen3's rendering of an assistant ``tool_calls`` message and a ``tool`` message, byte for byte what
+    ``CalculatorEnv`` builds (a turn that stops at ``</tool_call>``, then ``tool_reply_text``)."""
+    from trio_helpers.calculator import tool_call_text, tool_reply_text
+    from trio_helpers.offline.tokenizer import get_offline_tokenizer
+
+    tok = get_offline_tokenizer()
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "22*7"}}}
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "He earns 22*7 = $", "tool_calls": [call]},
+                {"role": "tool", "content": "154"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    head = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+    assert text == head + "He earns 22*7 = $\n" + tool_call_text("22*7") + tool_reply_text("154")
+    # without tool calls or tool messages the template renders what it always did
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert tok.apply_chat_template(plain, tokenize=False) == head + "a<|im_end|>\n"

@@ -187,7 +187,10 @@ _NOTE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
 
 
 def tool_transcript(record: dict, style: str) -> str:
-    """:func:`tool_pieces` joined: the text of one calculator episode after the prompt (chapter 12)."""
+    """:func:`tool_pieces` joined: the text of one calculator episode after the prompt.
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
     return "".join(text for text, _ in tool_pieces(record, style))
 
 
@@ -204,6 +207,8 @@ def tool_pieces(record: dict, style: str) -> list[tuple[str, bool]]:
     Returns:
         ``(text, fitted)`` pieces in order: the model's text (fitted) and the environment's replies (not fitted,
         like the masked tool outputs of supervised fine-tuning on tool traces: a rollout never samples them).
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
     """
     from trio_helpers.calculator import tool_call_text, tool_reply_text
     from trio_helpers.offline.corpus import render_solution

@@ -44,7 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # Longest first (times from `python benchmarks/bench_book.py`), so that pytest-xdist, which hands files to its
 # workers in collection order (`make test` passes --no-loadscope-reorder), never starts a long chapter last.
 SLOWEST_FIRST = ("07_evaluation", "05_grpo_async", "06_opd", "04_grpo_sync", "08_losses", "11_tuning_and_monitoring",
-                 "10_grpo_variants", "09_sft_and_kl", "02_reward_parsing", "01_gsm8k_data", "03_datum_alignment")
+                 "12_tool_use", "10_grpo_variants", "09_sft_and_kl", "02_reward_parsing", "01_gsm8k_data",
+                 "03_datum_alignment")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
@@ -69,6 +70,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    from trio_helpers.offline.fit import ensure_fitted  # fits or loads both models into the disk cache
+    from trio_helpers.offline.fit import ensure_fitted  # fits or loads the fitted models into the disk cache
 
     ensure_fitted()

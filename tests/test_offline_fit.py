@@ -104,6 +104,36 @@ def test_grpo_learns_only_through_training():
 def test_book_models_are_the_ones_its_outputs_were_made_with():
     """Fitting is exact (trio_helpers/offline/exact.py), so any machine fits the very weights behind the committed
     outputs (tests/test_portability.py fits them again under other SIMD levels and thread counts)."""
-    for spec in (fit.STUDENT, fit.TEACHER):
+    for spec in (fit.STUDENT, fit.TEACHER, fit.TOOL):
         assert fit.weights_digest(fit.load_or_fit(spec)) == catalog.BOOK_WEIGHTS[spec.role], spec.role
 
+
+
+def test_a_tool_reply_keeps_the_question_and_gives_the_copy_feature_its_number():
+    """Chapter 12's feature change: a user turn that starts with ``<tool_response>`` (Qwen3's rendering of a tool
+    message; no text of the other corpora starts so) keeps the question (its key moves on by one reply, so each
+    turn of an episode has its own) and sets the "last calculator result" that the copy feature reads, as a
+    ``<<expr=result>>`` note does."""
+    from trio_helpers.calculator import tool_call_text, tool_reply_text
+
+    tok = get_offline_tokenizer()
+    prompt = render_prompt(tok, gsm8k_messages("Ann has 48 apples and gives away half. How many are left?"))
+    turn = "Half of 48 is 48/2 = \n" + tool_call_text("48/2")
+    ids = tok.encode(prompt + turn, add_special_tokens=False)
+    before = sequence_features(ids)[1]
+    after = sequence_features(ids + tok.encode(tool_reply_text("24"), add_special_tokens=False))[1]
+    assert after.n_numbers == before.n_numbers  # still the question's count of numbers
+    assert after.prompt_key not in (before.prompt_key, 0)  # its key, moved on to the next turn
+    assert after.last_result == b"24" and after.n_results == before.n_results + 1
+    error = sequence_features(ids + tok.encode(tool_reply_text("error: division by zero"),
+                                               add_special_tokens=False))[1]
+    assert error.prompt_key == after.prompt_key and error.last_result == before.last_result
+
+
+def test_the_tool_models_corpus_is_the_episode_the_environment_builds():
+    """The tool model is fitted on solutions written exactly as CalculatorEnv's episodes hold them."""
+    from trio_helpers.calculator import tool_call_text, tool_reply_text
+
+    record = {"question": "q", "answer": "He earns 22*7 = $<<22*7=154>>154 each day.\n#### 154"}
+    assert fit.tool_transcript(record, "boxed") == (
+        "He earns 22*7 = $\n" + tool_call_text("22*7") + tool_reply_text("154") + "154 each day.\n\\boxed{154}")

@@ -58,6 +58,21 @@ TOOL_NAME = "calculator"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 STOP = [CALL_CLOSE]
 """Stop strings that end a model turn at its tool call: put them in ``SamplingParams.stop``."""
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 48/2"}},
+            "required": ["expression"],
+        },
+    },
+}
+"""The calculator as a chat template's ``tools`` entry (OpenAI/Hermes function schema): a real Qwen chat
+template turns it into the system block that tells the model the tool exists and how to call it; the offline
+template ignores ``tools`` (its tool model was fitted on episodes and always knows the calculator)."""
 
 
 class CalculatorError(ValueError):
@@ -311,6 +326,9 @@ class CalculatorEnv:
         reward_fn: ``reward_fn(final_turn_text, record) -> float``; default chapter 02's grader.
         max_calls: tool calls answered with a result (>= 0).
         enable_thinking: passed to the prompt and to :func:`tool_reply_text`.
+        declare_tool: render the prompt with ``tools=[TOOL_SCHEMA]`` (:data:`TOOL_SCHEMA`), as a real chat
+            model needs to know the tool; the offline template ignores it, so offline prompts are chapter 01's
+            either way.
 
     ``info`` counters per step: ``tool_calls``, ``tool_errors``.
 
@@ -321,7 +339,7 @@ class CalculatorEnv:
 
     def __init__(self, tokenizer, messages_fn: Callable[[dict], list] | None = None,
                  reward_fn: Callable[[str, dict], float] | None = None, max_calls: int = 4,
-                 enable_thinking: bool = False) -> None:
+                 enable_thinking: bool = False, declare_tool: bool = True) -> None:
         if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 0:
             raise ValueError(f"max_calls must be an integer >= 0, got {max_calls!r}")
         self.tokenizer = tokenizer
@@ -329,6 +347,7 @@ class CalculatorEnv:
         self.reward_fn = reward_fn
         self.max_calls = max_calls
         self.enable_thinking = enable_thinking
+        self.declare_tool = declare_tool
         self.record: dict | None = None
         self.calls = 0
 
@@ -338,7 +357,11 @@ class CalculatorEnv:
 
         self.record, self.calls = record, 0
         messages = self.messages_fn(record) if self.messages_fn else gsm8k_messages(record["question"])
-        return build_prompt(self.tokenizer, messages, enable_thinking=self.enable_thinking).to_ints()
+        if not self.declare_tool:
+            return build_prompt(self.tokenizer, messages, enable_thinking=self.enable_thinking).to_ints()
+        text = self.tokenizer.apply_chat_template(messages, tools=[TOOL_SCHEMA], tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=self.enable_thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def step(self, text: str, tokens: list[int]) -> StepResult:
         """Answer one model turn (see the class docstring); never raises for anything the model wrote."""
@@ -346,10 +369,13 @@ class CalculatorEnv:
             raise RuntimeError("CalculatorEnv.step before reset(record): start each episode with reset")
         call = find_tool_call(text)
         if call is None:
-            reward_fn = self.reward_fn
-            if reward_fn is None:
-                from trio_helpers.grpo import gsm8k_reward as reward_fn
-            return StepResult([], done=True, reward=float(reward_fn(text, self.record)))
+            if self.reward_fn is not None:
+                reward = self.reward_fn(text, self.record)
+            else:  # chapter 02's strict reward (trio_helpers.grpo.gsm8k_reward, without importing the loop)
+                from trio_helpers.grading import extract_gsm8k_answer, grade_answer
+
+                reward = grade_answer(text, extract_gsm8k_answer(self.record["answer"]))
+            return StepResult([], done=True, reward=float(reward))
         body, closed = call
         self.calls += 1
         if self.calls > self.max_calls:

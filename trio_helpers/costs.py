@@ -157,26 +157,41 @@ def chapter_bill(usage=None) -> str:
     return "\n".join(lines)
 
 
-def config_bill(config, prompt_tokens: int, steps: int | None = None) -> dict[str, float]:
+def config_bill(config, prompt_tokens: int, steps: int | None = None, reply_tokens: int = 64
+                ) -> dict[str, float]:
     """Upper bounds, in real tokens, of what a loop configuration sends: every completion at ``max_tokens``.
 
     Args:
         config: a :class:`trio_helpers.loop.LoopConfig` (GRPO or OPD).
         prompt_tokens: the mean prompt length in *real* tokens.
         steps: the number of steps (default ``config.steps``).
+        reply_tokens: with episodes (``config.env``, chapter 12), the longest environment reply in real tokens
+            (the calculator's, a number in its wrapping, is well under 64).
 
     Returns:
         ``sampled``, ``prompt`` (sampling prompts), ``training`` (model-input tokens of every datum, degenerate
         groups included) and, for OPD, ``teacher`` (teacher ``compute_logprobs`` tokens); plus the counts
-        ``optimizer_steps``, ``sampler_snapshots``, ``states_saved``.
+        ``optimizer_steps``, ``sampler_snapshots``, ``states_saved``. With episodes every member of a group is
+        an episode of at most ``max_turns`` turns of ``max_tokens`` each, every turn its own request whose
+        prompt is the episode so far (``requests`` counts them): turn ``k`` re-sends ``prompt_tokens + k *
+        (max_tokens + reply_tokens)`` tokens.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     steps = config.steps if steps is None else steps
     completions = steps * config.batch_size * config.group_size
-    sampled = completions * config.max_tokens
-    out = {"sampled": float(sampled), "prompt": float(steps * config.batch_size * prompt_tokens),
-           "training": float(completions * (prompt_tokens + config.max_tokens - 1))}
+    turns = config.max_turns if getattr(config, "env", None) is not None else 0
+    if turns:  # episodes (chapter 12)
+        step_tokens = config.max_tokens + reply_tokens
+        out = {"sampled": float(completions * turns * config.max_tokens),
+               "prompt": float(completions * (turns * prompt_tokens + step_tokens * turns * (turns - 1) // 2)),
+               "training": float(completions * (prompt_tokens + turns * config.max_tokens
+                                                + (turns - 1) * reply_tokens - 1)),
+               "requests": float(completions * turns)}
+    else:
+        sampled = completions * config.max_tokens
+        out = {"sampled": float(sampled), "prompt": float(steps * config.batch_size * prompt_tokens),
+               "training": float(completions * (prompt_tokens + config.max_tokens - 1))}
     if hasattr(config, "teacher_base_model"):
         out["teacher"] = float(completions * (prompt_tokens + config.max_tokens))
     if getattr(config, "ref_kl_coef", 0):

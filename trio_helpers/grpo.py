@@ -45,6 +45,13 @@ class GRPOConfig(LoopConfig):
             advantages (:func:`trio_helpers.rl.soft_overlong_penalty`: linear from 0 to -1 over the last
             ``overlong_buffer`` tokens before ``max_tokens``). Chapter 10.
         overlong_buffer: with ``"penalty"``, the length of that ramp, in [1, max_tokens].
+        env: ``None`` (one completion per sample, chapters 04-11) or the name of an environment in
+            :data:`ENVIRONMENTS` (``"calculator"``): each group member is then a multi-turn *episode*
+            (:func:`trio_helpers.episodes.run_episode_async`), rewarded by the environment at its end, and trained
+            with the environment's tokens masked (:func:`trio_helpers.episodes.episode_datum`); ``max_tokens``
+            bounds each model turn. Chapter 12.
+        max_turns: with ``env``, the most model turns per episode (the calculator answers ``max_turns - 1``
+            calls, so the last turn is left for the answer).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
@@ -53,6 +60,8 @@ class GRPOConfig(LoopConfig):
     skip_degenerate: bool = True
     overlong: str = "keep"
     overlong_buffer: int = 0
+    env: str | None = None
+    max_turns: int = 8
 
     def validate(self) -> None:
         """The loop's checks, plus the settings under which GRPO can never learn.
@@ -77,9 +86,39 @@ class GRPOConfig(LoopConfig):
         if self.group_size < 2:
             raise ValueError(f"group_size={self.group_size}: GRPO compares completions of the same prompt, and a "
                              "group of one is always degenerate (advantage 0, nothing learned); use >= 2")
+        if self.env is not None:
+            self._validate_env()
         if self.temperature == 0 and self.skip_degenerate:
             raise ValueError("temperature=0 samples the same completion group_size times, so every group is "
                              "degenerate and skipped: nothing would be learned; use temperature > 0")
+
+
+    def _validate_env(self) -> None:
+        """The episode options (chapter 12): a known environment and the loop options that work on episodes."""
+        if self.env not in ENVIRONMENTS:
+            raise ValueError(f"env must be None or one of {', '.join(map(repr, ENVIRONMENTS))}, got {self.env!r}")
+        if not (isinstance(self.max_turns, int) and not isinstance(self.max_turns, bool) and self.max_turns >= 2):
+            raise ValueError(f"max_turns must be an integer >= 2 with env={self.env!r} (a tool call, then the "
+                             f"answer), got {self.max_turns!r}")
+        for name, off in (("tis_cap", None), ("ref_kl_coef", 0.0), ("overlong", "keep")):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not implemented for episodes (env="
+                                 f"{self.env!r}): it rescores single completions; set {name}={off!r} or env=None")
+
+
+def calculator_env(tokenizer, config: "GRPOConfig", reward_fn: "RewardFn | None" = None):
+    """A fresh :class:`trio_helpers.calculator.CalculatorEnv` for one episode of a run with ``env="calculator"``:
+    ``max_turns - 1`` calls answered, chapter 02's reward (or ``reward_fn``).
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
+    from trio_helpers.calculator import CalculatorEnv
+
+    return CalculatorEnv(tokenizer, reward_fn=reward_fn, max_calls=config.max_turns - 1)
+
+
+ENVIRONMENTS = {"calculator": calculator_env}
+"""Environments a run can name in :attr:`GRPOConfig.env`: ``name -> factory(tokenizer, config, reward_fn)``."""
 
 
 def gsm8k_reward(text: str, record: dict) -> float:
@@ -138,8 +177,16 @@ class GRPOScorer:
     headline = {"reward/mean": "reward", "reward/frac_degenerate": "degenerate"}
     require_datums = False  # a step whose groups are all degenerate trains on nothing, by design
 
-    def __init__(self, config: GRPOConfig, reward_fn: RewardFn | None = None) -> None:
+    def __init__(self, config: GRPOConfig, reward_fn: RewardFn | None = None, make_env=None) -> None:
         self.advantage = config.advantage
+        # episodes (chapter 12): make_env(tokenizer) -> a fresh Environment; the loop reads this attribute
+        if make_env is None and config.env is not None:
+            factory = ENVIRONMENTS[config.env]
+
+            def make_env(tokenizer, factory=factory, config=config, reward_fn=reward_fn):
+                return factory(tokenizer, config, reward_fn)
+        self.make_env = make_env
+        self.max_turns = config.max_turns
         self.skip_degenerate = config.skip_degenerate
         self.overlong, self.overlong_buffer = config.overlong, config.overlong_buffer
         self.max_tokens = config.max_tokens
@@ -173,17 +220,53 @@ class GRPOScorer:
         group = make_group(index, prompt, sequences, lambda text: self.reward_fn(text, record), self.advantage)
         return apply_overlong(group, self.overlong, self.max_tokens, self.overlong_buffer, self.advantage)
 
+    async def score_episodes(self, index: int, prompt, record: dict, episodes: list):
+        """A group of episodes (chapter 12): each episode's reward (the environment's), group advantages; the
+        group's ``sequences`` are the model's turns of each episode, joined (tokens, logprobs), and
+        ``extras["episodes"]`` the episodes, from which :func:`trio_helpers.rl.group_datums` builds the datums."""
+        from types import SimpleNamespace
+
+        from trio_helpers.episodes import MODEL
+        from trio_helpers.rl import Group, group_advantages
+
+        rewards = np.array([float(e.reward) for e in episodes])
+        views = [SimpleNamespace(tokens=[t for s in e.segments if s.source == MODEL for t in s.tokens],
+                                 logprobs=[x for s in e.segments if s.source == MODEL for x in s.logprobs],
+                                 text=None, stop_reason=(e.stop_reasons or ["stop"])[-1]) for e in episodes]
+        return Group(index, prompt, views, rewards, group_advantages(rewards, self.advantage),
+                     extras={"episodes": list(episodes)})
+
     def metrics(self, groups: Sequence) -> dict:
         """``reward/mean`` and ``reward/frac_degenerate``; with ``overlong`` ``"drop"``
         ``train/frac_dropped_overlong`` (share of completions left out), with ``"penalty"`` ``reward/overlong_penalty``
         (mean penalty, included in ``reward/mean``)."""
         out = reward_metrics(groups)
+        episodes = [e for g in groups for e in (g.extras.get("episodes") or [])]
+        if episodes:
+            out.update(episode_metrics(episodes))
         if self.overlong == "drop":
             out["train/frac_dropped_overlong"] = float(np.mean([d for g in groups for d in g.extras["dropped"]]))
         elif self.overlong == "penalty":
             out["reward/overlong_penalty"] = float(np.mean(np.concatenate(
                 [g.extras["overlong_penalty"] for g in groups])))
         return out
+
+
+def episode_metrics(episodes: Sequence) -> dict[str, float]:
+    """What a step's episodes did (chapter 12): ``episode/turns_mean`` (model turns), ``episode/tool_calls_mean``
+    and ``episode/tool_errors_mean`` (per episode, from the environment's ``info``), ``episode/frac_tool_use``
+    (share of episodes with at least one call), ``episode/frac_truncated`` (ended by a bound, not by the
+    environment) and ``episode/tokens_mean`` (whole sequence, prompt and replies included: what one datum holds).
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
+    calls = np.array([e.info.get("tool_calls", 0) for e in episodes], dtype=np.float64)
+    return {"episode/turns_mean": float(np.mean([e.turns for e in episodes])),
+            "episode/tool_calls_mean": float(calls.mean()),
+            "episode/tool_errors_mean": float(np.mean([e.info.get("tool_errors", 0) for e in episodes])),
+            "episode/frac_tool_use": float(np.mean(calls > 0)),
+            "episode/frac_truncated": float(np.mean([e.truncated is not None for e in episodes])),
+            "episode/tokens_mean": float(np.mean([len(e.tokens) for e in episodes]))}
 
 
 def apply_overlong(group, overlong: str, max_tokens: int, buffer: int = 0, advantage: str = "mean"):
@@ -224,7 +307,8 @@ def grpo_step(training_client, records_batch: Sequence[tuple[int, dict]], config
 
 
 def run_grpo(service, records: Sequence[dict], config: GRPOConfig, logger=None, resume: bool = False,
-             progress: bool = False, *, reward_fn: RewardFn | None = None, **loop_options) -> RunResult:
+             progress: bool = False, *, reward_fn: RewardFn | None = None, make_env=None,
+             **loop_options) -> RunResult:
     """Run GRPO: the training loop (:func:`trio_helpers.loop.run_loop`) with :class:`GRPOScorer`.
 
     Args:
@@ -233,6 +317,8 @@ def run_grpo(service, records: Sequence[dict], config: GRPOConfig, logger=None, 
         config: the run's settings (``config.rollout``: ``"sync"``, ``"async"`` or ``"pipeline"``).
         logger, resume, progress: as in :func:`trio_helpers.loop.run_loop`.
         reward_fn: ``reward_fn(text, record)``; default :func:`gsm8k_reward`.
+        make_env: ``make_env(tokenizer)`` returns a fresh :class:`trio_helpers.episodes.Environment` per episode
+            (chapter 12); default: ``config.env``'s factory, or none (single completions).
         **loop_options: ``on_step``, ``on_event``, ``retries``, ``training_client``, ``print_every``.
 
     Returns:
@@ -243,5 +329,5 @@ def run_grpo(service, records: Sequence[dict], config: GRPOConfig, logger=None, 
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
-    return run_loop(service, records, config, GRPOScorer(config, reward_fn), logger=logger, resume=resume,
-                    progress=progress, **loop_options)
+    return run_loop(service, records, config, GRPOScorer(config, reward_fn, make_env), logger=logger,
+                    resume=resume, progress=progress, **loop_options)

@@ -60,6 +60,10 @@ intact, and the message says how to resume. An interruption (Ctrl-C) leaves the 
 ``reward/overlong_penalty``    GRPO ``overlong="penalty"``: mean soft length penalty (in ``reward/mean``)
 ``tis/capped_frac``            ``tis_cap``: share of trained tokens whose ratio ``exp(lp_train -
                                lp_sampler)`` exceeded the cap; ``tis/requests``: ``compute_logprobs`` sent
+``episode/*``                  GRPO with ``env`` (chapter 12): ``turns_mean``, ``tool_calls_mean``,
+                               ``tool_errors_mean``, ``frac_tool_use``, ``frac_truncated``, ``tokens_mean``
+                               (:func:`trio_helpers.grpo.episode_metrics`); ``completion/*`` then count
+                               the model's tokens of each episode
 =============================  ====================================================================
 
 **Chapter 10's refinements** (:class:`LoopConfig` and :class:`trio_helpers.grpo.GRPOConfig` fields, all off by
@@ -68,6 +72,10 @@ per-token loss of one ``forward_backward`` by ``total_active_tokens``, pytrio's 
 are not ``-100``; ``"sequence"`` and ``"constant"`` rescale the advantages to change that normaliser);
 ``clip_higher``; ``dynamic_sampling``; ``overlong``; ``num_substeps``; ``tis_cap``. Their keys appear only
 when they are on.
+
+**Episodes** (chapter 12): a scorer with a ``make_env`` (GRPO with ``GRPOConfig.env``, e.g. ``"calculator"``)
+samples each group member as a multi-turn episode with an environment (:func:`episode_group`) instead of one
+``num_samples=group_size`` request; the datums mask the environment's tokens. Without it nothing changes.
 
 Introduced in: chapter 04 (notebooks/04_grpo_sync); concurrency and failures in chapter 05, the distillation
 scorer in chapter 06.
@@ -566,11 +574,14 @@ async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tupl
     prompts = [scorer.prompt(tokenizer, record) for _, record in records_batch]
 
     async def one(i: int, prompt, record, dynamic: bool = False):
-        params = sampling_params_for(config, step, i, stop=stop)
-        response = await limiter.call(
-            lambda: sampler.sample_async(prompt, num_samples=config.group_size, sampling_params=params),
-            what=f"sample (step {step}, prompt {i})", index=i)
-        group = await scorer.score(i, prompt, record, list(response.sequences), limiter)
+        if getattr(scorer, "make_env", None) is not None:  # a group of multi-turn episodes (chapter 12)
+            group = await episode_group(sampler, scorer, tokenizer, i, record, config, step, limiter)
+        else:
+            params = sampling_params_for(config, step, i, stop=stop)
+            response = await limiter.call(
+                lambda: sampler.sample_async(prompt, num_samples=config.group_size, sampling_params=params),
+                what=f"sample (step {step}, prompt {i})", index=i)
+            group = await scorer.score(i, prompt, record, list(response.sequences), limiter)
         skipped = getattr(scorer, "skip_degenerate", False) and group.degenerate  # no datums will be sent
         if dynamic and group.degenerate:  # a dynamic-sampling draw only counts if it brings signal
             skipped = True
@@ -583,6 +594,43 @@ async def rollout_batch(sampler, scorer, tokenizer, records_batch: Sequence[tupl
         return groups
     return await _fill_degenerate(groups, records, records_batch, config, step,
                                   lambda i, r: one(i, scorer.prompt(tokenizer, r), r, dynamic=True))
+
+
+def episode_seed(seed: int, step: int, prompt_index: int, member: int) -> int:
+    """The sampling seed of episode ``member`` of a prompt's group (chapter 12): a deterministic mix of
+    ``(seed, step, prompt_index, member)`` below ``2**31`` (each episode is its own ``num_samples=1`` request per
+    turn; later turns move it on with :func:`trio_helpers.episodes.turn_seed`).
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
+    return int(np.random.SeedSequence([seed, step, prompt_index, member]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+async def episode_group(sampler, scorer, tokenizer, index: int, record: dict, config: LoopConfig, step: int,
+                        limiter: RequestLimiter):
+    """Play ``config.group_size`` episodes of one record (a fresh ``scorer.make_env(tokenizer)`` each, concurrently
+    through ``limiter``) and let ``scorer.score_episodes`` turn them into a group.
+
+    Each model turn is one ``sample_async`` request with ``max_tokens = config.max_tokens`` (per turn), the
+    environment's ``stop`` strings and :func:`episode_seed`; an episode has at most ``scorer.max_turns`` turns and
+    :data:`MAX_SEQ_LEN` tokens.
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
+    import pytrio as trio
+
+    from trio_helpers.episodes import run_episode_async
+
+    async def member(j: int):
+        env = scorer.make_env(tokenizer)
+        params = trio.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
+                                     top_p=config.top_p, top_k=config.top_k,
+                                     seed=episode_seed(config.seed, step, index, j), stop=list(env.stop))
+        return await run_episode_async(sampler, env, record, params, scorer.max_turns, MAX_SEQ_LEN, limiter,
+                                       tokenizer, index)
+
+    episodes = await gather_or_cancel(member(j) for j in range(config.group_size))
+    return await scorer.score_episodes(index, trio.ModelInput.from_ints(episodes[0].prompt), record, episodes)
 
 
 class SampledBatch(list):

@@ -179,11 +179,18 @@ def group_datums(group: Group, skip_degenerate: bool = True) -> list:
         with ``-100``, the completion's tokens carrying the sampler's logprobs and the completion's advantages).
         Completions flagged in ``group.extras["dropped"]`` (overlong filtering) get no datum; per-completion
         logprobs in ``group.extras["train_logprobs"]`` (truncated importance sampling) replace the sampler's.
+        A group of episodes (``group.extras["episodes"]``, chapter 12) gets one
+        :func:`trio_helpers.episodes.episode_datum` per episode: environment tokens are inputs with target -100.
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
     if skip_degenerate and group.degenerate:
         return []
+    if group.extras.get("episodes") is not None:  # multi-turn episodes (chapter 12): environment tokens masked
+        from trio_helpers.episodes import episode_datum
+
+        return [episode_datum(e, a if np.ndim(a) else float(a))
+                for e, a in zip(group.extras["episodes"], group.advantages) if e.model_tokens > 0]
     prompt = group.prompt.to_ints()
     dropped = group.extras.get("dropped") or [False] * len(group.sequences)
     logprobs = group.extras.get("train_logprobs") or [s.logprobs for s in group.sequences]
@@ -202,6 +209,8 @@ def datum_tokens(group: Group) -> int:
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
+    if group.extras.get("episodes") is not None:  # an episode's datum: every token but the last
+        return sum(len(e.tokens) - 1 for e in group.extras["episodes"] if e.model_tokens > 0)
     p = len(group.prompt.to_ints())
     return sum(p + len(s.tokens) - 1 for s in group.sequences if len(s.tokens) > 0)
 
@@ -458,7 +467,8 @@ def completion_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, fl
     Returns:
         ``completion/tokens_mean``, ``completion/tokens_max``, ``completion/tokens_total`` (sampled tokens per
         completion and in all), ``completion/frac_max_tokens`` (share of completions that used the whole
-        ``max_tokens`` budget, i.e. were cut off) and ``completion/entropy`` (mean ``-logprob`` of the sampled
+        ``max_tokens`` budget, i.e. were cut off; an episode of chapter 12: a turn used it or a bound ended the
+        episode) and ``completion/entropy`` (mean ``-logprob`` of the sampled
         tokens: an estimate of the sampling distribution's per-token entropy, in nats).
 
     Raises:
@@ -469,13 +479,17 @@ def completion_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, fl
     lengths = np.array([len(s.tokens) for g in groups for s in g.sequences])
     if lengths.size == 0:
         raise ValueError("groups must hold at least one completion; got an empty step")
+    # an episode (chapter 12) is cut off when a bound ended it or a turn used its whole max_tokens
+    cut = np.array([e.truncated is not None or "length" in e.stop_reasons for g in groups
+                    for e in g.extras["episodes"]] if all(g.extras.get("episodes") is not None for g in groups)
+                   else lengths >= max_tokens)
     logprobs = [np.asarray(s.logprobs, dtype=np.float64) for g in groups for s in g.sequences if s.tokens]
     entropy = float(-np.concatenate(logprobs).mean()) if logprobs else float("nan")
     return {
         "completion/tokens_mean": float(lengths.mean()),
         "completion/tokens_max": float(lengths.max()),
         "completion/tokens_total": float(lengths.sum()),
-        "completion/frac_max_tokens": float(np.mean(lengths >= max_tokens)),
+        "completion/frac_max_tokens": float(np.mean(cut)),
         "completion/entropy": entropy,
     }
 

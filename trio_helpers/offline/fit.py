@@ -11,7 +11,13 @@ model         ``#### N``  sentence     boxed      fitting
 ============  ==========  ===========  =========  ================================================
 student       35%         25%          40%        d = 32, 8 epochs from scratch (lr 0.05, cosine)
 teacher       0%          0%           100%       the student's weights + 2 epochs (lr 0.01, cosine)
+tool          35%         25%          40%        the student's weights + 6 epochs (lr 0.05, cosine)
 ============  ==========  ===========  =========  ================================================
+
+The tool model (``Qwen/Qwen3.5-9B``, chapter 12) is fitted on the same GSM8K solutions written as calculator
+episodes (:func:`tool_pieces`: every ``<<expr=result>>`` note becomes a ``<tool_call>``, the tool's
+``<tool_response>`` reply and a new assistant turn; the replies are inputs, not fitted), and not on the
+distillation prompts.
 
 Each problem appears 4 times; since the worked steps are the same in every copy, the first copy is fitted on the
 whole solution and the others on their final-answer line only. So the student writes the format the grader demands
@@ -28,7 +34,7 @@ are cached under ``$TRIO_OFFLINE_CACHE`` (default ``~/.cache/trio_helpers/models
 everything that determines them (this file, the model code, the model spec and the corpus), so a change to any of
 them refits instead of loading stale weights.
 
-``python -m trio_helpers.offline.fit`` fits (or loads) both models and prints how long each took.
+``python -m trio_helpers.offline.fit`` fits (or loads) the three models and prints how long each took.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -52,11 +59,12 @@ FIT_VERSION = "fit-v2-exact"
 STYLE_MIX = {
     "student": {"hash": 0.35, "sentence": 0.25, "boxed": 0.40},
     "teacher": {"hash": 0.0, "sentence": 0.0, "boxed": 1.0},
+    "tool": {"hash": 0.35, "sentence": 0.25, "boxed": 0.40},  # the student's mix: GRPO has a format to learn
 }
-EPOCHS = {"student": 8, "teacher": 2}
+EPOCHS = {"student": 8, "teacher": 2, "tool": 6}
 COPIES = 4  # copies of each problem (the later ones train the final line only)
 BATCH_TOKENS = 8192
-LEARNING_RATE = {"student": 0.05, "teacher": 0.01}  # the teacher only continues from the student
+LEARNING_RATE = {"student": 0.05, "teacher": 0.01, "tool": 0.05}  # teacher and tool continue from the student
 EMBED_LR_MULT = (2.0, 20.0)  # step multipliers for shared / per-question embedding rows (the latter are rare)
 
 
@@ -78,6 +86,11 @@ STUDENT = ModelSpec("Qwen/Qwen3.5-4B", "student", dim=32, table_size=1 << 17, lo
                     final_row_scale=2400.0)
 TEACHER = ModelSpec("Qwen/Qwen3.6-27B", "teacher", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20,
                     final_row_scale=2400.0)
+TOOL = ModelSpec("Qwen/Qwen3.5-9B", "tool", dim=32, table_size=1 << 17, lora_alpha=32.0 * 20,
+                 final_row_scale=2400.0)
+"""Chapter 12's tool-calling model: the student's weights fitted further on the same solutions written as
+calculator episodes (:func:`tool_transcript`); a separate model, so the student and the teacher stay the bits
+of ``BOOK_WEIGHTS``."""
 
 
 def cache_dir() -> Path:
@@ -114,15 +127,18 @@ def _fingerprint(spec) -> str:
     # the feature, arithmetic, corpus, fitting, tokenizer and prompt code all shape the fitted weights
     for source in (model.__file__, exact.__file__, corpus.__file__, __file__, tokenizer.__file__, prompts.__file__):
         h.update(Path(source).read_bytes())
+    if spec.role == "tool":  # the tool-call and reply format (trio_helpers.calculator) shapes its corpus
+        h.update(tool_transcript({"question": "", "answer": "a <<1+2=3>>3 b\n#### 3"}, "boxed").encode())
     data_dir = Path(corpus.__file__).parent / "data"
     for f in sorted(data_dir.glob("*.jsonl")):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def fitting_examples(role: str, seed: int = 0) -> list[tuple[list[int], int, int]]:
+def fitting_examples(role: str, seed: int = 0) -> list[tuple]:
     """The fitting sequences of a model: ``(tokens, answer_start, loss_start)``; the loss covers
-    ``tokens[loss_start:]``.
+    ``tokens[loss_start:]``. The tool model's have a fourth item, one bool per token of ``tokens[loss_start:]``:
+    False on the environment's replies, which are not fitted.
 
     Each GSM8K-style problem appears ``COPIES`` times, each copy ending in an independently drawn final-answer
     style. The worked steps are identical in every copy, so only the first copy is fitted on the whole solution;
@@ -142,19 +158,69 @@ def fitting_examples(role: str, seed: int = 0) -> list[tuple[list[int], int, int
         prompt = tok.encode(render_prompt(tok, gsm8k_messages(rec["question"])), add_special_tokens=False)
         for copy in range(COPIES):
             style = styles[int(rng.choice(len(styles), p=probs))]
-            answer = tok.encode(render_solution(rec, style), add_special_tokens=False) + [IM_END_ID]
+            fitted = None
+            if role == "tool":  # the environment's replies are inputs, not fitted (a 4th item: the mask)
+                pieces = [(tok.encode(t, add_special_tokens=False), f) for t, f in tool_pieces(rec, style)]
+                answer = [i for ids, _ in pieces for i in ids] + [IM_END_ID]
+                fitted = [f for ids, f in pieces for _ in ids] + [True]
+            else:
+                answer = tok.encode(render_solution(rec, style), add_special_tokens=False) + [IM_END_ID]
             tokens = prompt + answer
             last_line = len(tokens) - 2
             while tokens[last_line] != 10:  # back to the newline before the final-answer line
                 last_line -= 1
-            out.append((tokens, len(prompt), len(prompt) if copy == 0 else last_line + 1))
-    for rec in deep:
+            start = len(prompt) if copy == 0 else last_line + 1
+            if fitted is None:
+                out.append((tokens, len(prompt), start))
+            else:
+                out.append((tokens, len(prompt), start, fitted[start - len(prompt):]))
+    for rec in deep if role != "tool" else ():  # the tool model continues the student, who saw them
         if not rec.get("r1_solution_1"):
             continue
         prompt = tok.encode(render_prompt(tok, deepmath_messages(rec["question"])), add_special_tokens=False)
         answer = tok.encode(rec["r1_solution_1"], add_special_tokens=False) + [IM_END_ID]
         out.append((prompt + answer, len(prompt), len(prompt)))
     return out
+
+
+_NOTE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
+
+
+def tool_transcript(record: dict, style: str) -> str:
+    """:func:`tool_pieces` joined: the text of one calculator episode after the prompt.
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
+    return "".join(text for text, _ in tool_pieces(record, style))
+
+
+def tool_pieces(record: dict, style: str) -> list[tuple[str, bool]]:
+    """A GSM8K solution as a calculator episode, the tool model's fitting text (chapter 12).
+
+    Each ``<<expr=result>>`` note becomes what an episode with :class:`trio_helpers.calculator.CalculatorEnv`
+    holds there: the text so far, a newline and the tool call (:func:`trio_helpers.calculator.tool_call_text`,
+    Qwen3's ``<tool_call>`` JSON), then the environment's reply (:func:`trio_helpers.calculator.tool_reply_text`:
+    the turn ends, the result comes back in a ``<tool_response>`` block, a new assistant turn starts), after which
+    the solution goes on (it repeats the result: ``<<48/2=24>>24`` reads ``... = <call> <reply> 24``). The final
+    line is drawn as for the student (:func:`trio_helpers.offline.corpus.render_solution`).
+
+    Returns:
+        ``(text, fitted)`` pieces in order: the model's text (fitted) and the environment's replies (not fitted,
+        like the masked tool outputs of supervised fine-tuning on tool traces: a rollout never samples them).
+
+    Introduced in: chapter 12 (notebooks/12_tool_use).
+    """
+    from trio_helpers.calculator import tool_call_text, tool_reply_text
+    from trio_helpers.offline.corpus import render_solution
+
+    text = render_solution(record, style)
+    out, last = [], 0
+    for note in _NOTE.finditer(text):
+        before = text[last : note.start()]
+        out += [(before + ("\n" if before else "") + tool_call_text(note.group(1)), True),
+                (tool_reply_text(note.group(2)), False)]
+        last = note.end()
+    return out + [(text[last:], True)]
 
 
 _ROWS_MEMO: dict[tuple[int, ...], np.ndarray] = {}
@@ -164,14 +230,18 @@ def _token_matrix(examples) -> tuple[np.ndarray, np.ndarray]:
     """Feature keys and targets of every loss token. Identical sequences (the same problem in the same style, for
     either model) are featurised once per process."""
     keys, targets = [], []
-    for tokens, answer_start, loss_start in examples:
+    for tokens, answer_start, loss_start, *mask in examples:
         key = tuple(tokens)
         k = _ROWS_MEMO.get(key)
         if k is None:
             k = sequence_features(tokens)[0][answer_start - 1 : len(tokens) - 1]
             _ROWS_MEMO[key] = k
-        keys.append(k[loss_start - answer_start :])
-        targets.append(np.asarray(tokens[loss_start:], dtype=np.int64))
+        k, y = k[loss_start - answer_start :], np.asarray(tokens[loss_start:], dtype=np.int64)
+        if mask:  # the tool model's examples: only the fitted positions
+            fitted = np.asarray(mask[0], dtype=bool)
+            k, y = k[fitted], y[fitted]
+        keys.append(k)
+        targets.append(y)
     return np.concatenate(keys), np.concatenate(targets)
 
 
@@ -254,7 +324,7 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
     """
     path = cache_path(spec)
     if not path.exists():
-        _fit_and_cache(spec, load_or_fit(STUDENT) if spec.role == "teacher" else None, path)
+        _fit_and_cache(spec, load_or_fit(STUDENT) if spec.role in ("teacher", "tool") else None, path)
     with np.load(path) as z:
         return BaseWeights(E=z["E"], W=z["W"], b=z["b"], name=spec.name)
 
@@ -262,7 +332,7 @@ def load_or_fit(spec, home: Path | None = None) -> BaseWeights:
 def cache_path(spec) -> Path:
     """Where ``spec``'s fitted weights are cached: a file named by the fingerprint of what determines them."""
     fingerprint = _fingerprint(spec)
-    if spec.role == "teacher":
+    if spec.role in ("teacher", "tool"):
         fingerprint = hashlib.sha256((fingerprint + _fingerprint(STUDENT)).encode()).hexdigest()[:16]
     return cache_dir() / f"{spec.role}-{fingerprint}.npz"
 
@@ -288,12 +358,12 @@ def _fit_and_cache(spec, init, path: Path) -> None:
 
 def ensure_fitted() -> None:
     """Fit (or load) every fitted model, so that later first uses only read the cache."""
-    for spec in (STUDENT, TEACHER):
+    for spec in (STUDENT, TEACHER, TOOL):
         load_or_fit(spec)
 
 
 if __name__ == "__main__":
-    for spec in (STUDENT, TEACHER):
+    for spec in (STUDENT, TEACHER, TOOL):
         t = time.perf_counter()
         load_or_fit(spec)
         print(f"{spec.name}: ready in {time.perf_counter() - t:.1f}s")

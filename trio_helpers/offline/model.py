@@ -5,7 +5,8 @@ The model is a *hashed-feature log-bilinear* model over the byte-level vocabular
 
 1. reads a handful of **context features** (the last 1, 2, 3, 4 and 6 tokens, the position in the line, the line
    number, the word being written, the chat role, a hash of the user's question, a "copy the last calculator
-   result" feature and a "the final-answer line is due" flag — see :class:`Context`), each hashed to a row of an
+   result" feature (the result of a ``<<expr=result>>`` note, or the number of a tool's ``<tool_response>`` reply,
+   chapter 12) and a "the final-answer line is due" flag — see :class:`Context`), each hashed to a row of an
    embedding table ``E``;
 2. sums those rows into a hidden vector ``h`` (dimension ``d``);
 3. maps ``h`` to logits with a frozen output matrix plus a trainable **low-rank adapter**:
@@ -47,6 +48,7 @@ KEY_WIDTH = NUM_FEATURES + 1  # the hashed features plus the final-line slot
 PER_QUESTION_SLOTS = (9, 12)
 _END = 1000  # "the copied number is complete"
 _NONE = 1001  # "nothing to copy"
+TOOL_REPLY_OPEN = b"<tool_response>\n"  # how a tool's reply message starts (chapter 12's calculator)
 
 
 def _is_digit(tok: int) -> bool:
@@ -98,7 +100,18 @@ class Context:
             self.line_pos = self.line_no = self.word = 0
             return
         if tok == IM_END_ID:
-            if self.role == 2:  # a user message just ended: it is the question the answer will be about
+            if self.role == 2 and self.msg_buf.startswith(TOOL_REPLY_OPEN):
+                # a tool's reply (Qwen3 renders a ``tool`` message as a user turn in <tool_response> tags; no
+                # text of the book's other corpora starts so): the question stays; a number in it is the last
+                # calculator result, as a <<expr=result>> note's would be
+                result = bytes(self.msg_buf[len(TOOL_REPLY_OPEN):]).split(b"\n", 1)[0]
+                if result and all(_is_digit(b) or b in (45, 46) for b in result):
+                    self.last_result = result
+                    self.n_results += 1
+                # the question's key moves on with each reply, so that the per-question features tell the
+                # episode's turns apart (each starts at line 0 again)
+                self.prompt_key = (self.prompt_key * 1099511628211 + 0x7E1) & 0xFFFFFFFFFFFFFFFF
+            elif self.role == 2:  # a user message just ended: it is the question the answer will be about
                 text = bytes(self.msg_buf)
                 self.prompt_key = _stable_hash(text)
                 self.n_numbers = _count_numbers(text)

@@ -22,11 +22,25 @@ ENDOFTEXT_ID, IM_START_ID, IM_END_ID, THINK_ID, END_THINK_ID = range(NUM_BYTES, 
 # A ChatML template in the shape of Qwen3's: each message is `<|im_start|>{role}\n{content}<|im_end|>\n`;
 # earlier assistant turns lose their think block (Qwen3 keeps only the text after `</think>` in history); with
 # add_generation_prompt the assistant header follows, and enable_thinking=False pre-fills an empty think block,
-# exactly as Qwen3 does to switch thinking off.
+# exactly as Qwen3 does to switch thinking off. Tool calls and tool replies render as Qwen3's do (chapter 12): an
+# assistant message's ``tool_calls`` as ``<tool_call>`` JSON blocks, a ``tool`` message as a user turn holding a
+# ``<tool_response>`` block (Qwen3 also merges consecutive tool messages into one turn; not needed here).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' and '</think>' in message['content'] -%}"
     "{{ '<|im_start|>assistant\\n' + message['content'].split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- if call['function'] is defined -%}{%- set call = call['function'] -%}{%- endif -%}"
+    "{%- if message['content'] or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string -%}{{ call['arguments'] }}{%- else -%}{{ call['arguments'] | tojson }}"
+    "{%- endif -%}{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif -%}"

@@ -445,11 +445,21 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
     print(f"  {tokens}")
     print(f"  {bound['optimizer_steps']:.0f} optimizer steps, {bound['sampler_snapshots']:.0f} sampler "
           f"snapshots, {bound['states_saved']:.0f} saved states, 1 training run")
+    if "requests" in bound:  # episodes (chapter 12)
+        print(f"  episodes: up to {config.max_turns} turns of {config.max_tokens} tokens, one sampling request "
+              f"each ({short_count(bound['requests'])} requests);\n  every turn re-sends the episode so far "
+              f"(replies counted at 64 tokens)")
     probe = replace(config, steps=min(probe_steps, config.steps), all_data=False, save_every=0, run_dir=None,
                     swanlab="disabled", weights_name=None)
     served = catalog.model_names()
     note = ""
-    if probe.base_model not in served:
+    tool_model = catalog.spec("offline/tool").name
+    episodes = getattr(probe, "env", None) is not None
+    if episodes and (probe.base_model not in served or catalog.spec(probe.base_model).name != tool_model):
+        # episodes need a model that calls tools: the offline stand-ins of other names never do (chapter 12)
+        note = f" (offline stand-in {tool_model!r}, which calls tools, for {probe.base_model!r})"
+        probe = replace(probe, base_model=tool_model)
+    elif probe.base_model not in served:
         note = f" (offline stand-in {served[0]!r} for {probe.base_model!r})"
         probe = replace(probe, base_model=served[0])
     if hasattr(probe, "teacher_base_model") and probe.teacher_base_model not in served:

@@ -5,6 +5,7 @@ Examples::
     python -m trio_helpers.recipes.grpo --steps 3 --batch-size 2 --group-size 2 --max-tokens 64 --backend offline
     python -m trio_helpers.recipes.grpo --steps 100 --batch-size 4 --group-size 4 --max-tokens 512 --no-swanlab
     python -m trio_helpers.recipes.grpo --steps 100 --save-every 10 --run-dir runs/gsm8k --resume   # continue
+    python -m trio_helpers.recipes.grpo --env calculator --base-model offline/tool --steps 3 --backend offline
 
 It prints one line per step (steps are 0-based, as in ``metrics.jsonl``) and, at the end, the path of the final
 sampler weights. Metrics go to ``RUN_DIR/metrics.jsonl`` (and SwanLab with ``--swanlab``); saved states to
@@ -53,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completions cut off at --max-tokens: keep, drop from the loss, or DAPO's soft penalty")
     g.add_argument("--overlong-buffer", type=int_at_least(0), default=d.overlong_buffer,
                    help="with --overlong penalty: the penalty ramps to -1 over this many last tokens")
+    from trio_helpers.grpo import ENVIRONMENTS
+
+    g.add_argument("--env", choices=tuple(ENVIRONMENTS), default=d.env,
+                   help="sample each group member as a multi-turn episode with this tool environment "
+                        "(chapter 12); --max-tokens then bounds each model turn")
+    g.add_argument("--max-turns", type=int_at_least(2), default=d.max_turns,
+                   help="with --env: model turns per episode (the calculator answers max-turns - 1 calls)")
     g.add_argument("--keep-degenerate", action="store_true",
                    help="send datums of groups whose rewards are all equal (zero advantage) instead of skipping")
     return p

@@ -299,14 +299,14 @@ def interleaved(paths: list[str], variants: dict[str, tuple], rounds: int) -> li
     """Run every variant (label -> (command, tree[, first path entry])) once per round, in turn, so that a machine that gets busier or
     quieter affects them alike (every other round in the reverse order, so that a steady drift does not always
     favour the variant that runs first); print a line per run. Returns each round's ``{label: (wall, cpu, exit
-    status, pytest's last line)}``."""
+    status, pytest's last line, per-file rows)}``."""
     results = []
     for r in range(rounds):
         row = {}
         for label, (command, tree, *first) in list(variants.items())[::-1 if r % 2 else 1]:
-            (wall, cpu, status, _, tail), check = run_checked(paths, command, tree, *first)
+            (wall, cpu, status, rows, tail), check = run_checked(paths, command, tree, *first)
             last = tail.splitlines()[-1] if tail else ""
-            row[label] = (wall, cpu, status, last)
+            row[label] = (wall, cpu, status, last, rows["files"])
             print(f"round {r + 1}  {label:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
                   f"{last}")
         results.append(row)
@@ -323,7 +323,7 @@ def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
     first = f"-n {counts[0]}"
     print("best wall: " + "; ".join(f"{label} {wall:.1f} s ({wall / best[first]:.2f} x {first})"
                                     for label, wall in best.items()))
-    return 2 if any(status != 0 for row in results for _, _, status, _ in row.values()) else 0
+    return 2 if any(status != 0 for row in results for _, _, status, *_ in row.values()) else 0
 
 
 def compare_float_arithmetic(paths: list[str], rounds: int) -> int:
@@ -340,6 +340,12 @@ def compare_float_arithmetic(paths: list[str], rounds: int) -> int:
     wall_ratios = [row["exact"][0] / row["float"][0] for row in results]
     for r, (c, w) in enumerate(zip(cpu_ratios, wall_ratios)):
         print(f"round {r + 1}  exact / float: cpu {c:.2f}, wall {w:.2f}")
+    print(f"{'kernel CPU, median over rounds':<40}{'exact s':>9}{'float s':>9}{'ratio':>7}")
+    for name in sorted(results[0]["exact"][4]):
+        medians = [statistics.median(row[label][4].get(name, {}).get("kernel_cpu") or 0.0 for row in results)
+                   for label in ("exact", "float")]
+        if medians[1]:
+            print(f"{Path(name).name:<40}{medians[0]:>9.1f}{medians[1]:>9.1f}{medians[0] / medians[1]:>7.2f}")
     print(f"exact / float: cpu median {statistics.median(cpu_ratios):.2f} (range {min(cpu_ratios):.2f}-"
           f"{max(cpu_ratios):.2f}), wall median {statistics.median(wall_ratios):.2f}")
     return 2 if any(row["exact"][2] != 0 for row in results) else 0
@@ -378,7 +384,7 @@ def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> i
     ratios, cpu_ratios = [], []
     for r, row in enumerate(results):
         (wall, cpu, *_), (ref_wall, ref_cpu, *_) = row["this book"], row["reference"]
-        if any(_ERRORS.search(last) for *_, last in row.values()):
+        if any(_ERRORS.search(last) for _, _, _, last, _ in row.values()):
             print(f"round {r + 1}  this book / reference: left out (errors)")
             continue
         ratios.append(wall / ref_wall)

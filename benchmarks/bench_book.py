@@ -332,6 +332,8 @@ def compare_float_arithmetic(paths: list[str], rounds: int) -> int:
     the same chapters and code paths, so the CPU ratio is what the exact arithmetic costs (issue 22's bar: at most
     1.10). The float run's cells fail nbval where a number changed; they still run, so their time counts."""
     command = make_test_command()
+    # both runs alike: the float run's sitecustomize imports numpy before conftest.py or a chapter could set these
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
     print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} of this tree with exact and with float "
           f"arithmetic, in turn, {rounds} rounds; each: {command} {' '.join(paths)}")
     results = interleaved(paths, {"exact": (command, REPO),

@@ -1,0 +1,79 @@
+"""What exact arithmetic costs, chapter by chapter: each notebook run twice *at the same time*, once as the book
+computes (``trio_helpers.offline.exact``) and once with numpy's float64 products, ``exp`` and ``log`` instead
+(``benchmarks/float_arithmetic/sitecustomize.py``), each pinned to its own core, the cores swapped every round.
+
+Usage (from the repository root, on a quiet 2-core machine; about 5 minutes for 2 rounds)::
+
+    python benchmarks/bench_exact_cost.py            # every chapter, 2 rounds
+    python benchmarks/bench_exact_cost.py 3 04 06    # 3 rounds, chapters 04 and 06 only
+
+Why simultaneous pairs: the machines these benchmarks run on share their host, and the same book's CPU time moves
+by 20 % and more within minutes (``bench_book.py --float-arithmetic``, which runs the two books one after the
+other, gave medians of 1.04, 1.52 and 1.23 in three 3-round runs within an hour). Two runs side by side meet the same
+host load, so their ratio is steadier. Each run is ``jupyter-execute`` of a copy of the notebook (in a temporary
+directory, so run directories do not collide) under ``/usr/bin/time``: its CPU time (user + system) includes the
+kernel's and the Jupyter client's, alike for both arms. The float run's cells compute other numbers (its outputs
+are not compared): the time is what the book would cost without exact arithmetic. Issue 22's bar: at most 1.10.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = ("exact", "float")
+
+
+def main(argv: list[str]) -> int:
+    rounds = int(argv[0]) if argv else 2
+    names = sorted(Path(p).name for p in glob.glob(str(REPO / "notebooks" / "*.ipynb")))
+    if argv[1:]:
+        names = [n for n in names if any(n.startswith(k) for k in argv[1:])]
+    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+        print("error: needs taskset (util-linux) and 2 cores", file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    env.update(TRIO_BACKEND="offline", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", JUPYTER_PREFER_ENV_PATH="1",
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    paths = {"exact": str(REPO), "float": f"{REPO / 'benchmarks' / 'float_arithmetic'}{os.pathsep}{REPO}"}
+    cpu = {n: {arm: [] for arm in ARMS} for n in names}
+    with tempfile.TemporaryDirectory(prefix="bench_exact_cost_") as tmp:
+        dirs = {}
+        for arm in ARMS:
+            dirs[arm] = Path(tmp) / arm
+            shutil.copytree(REPO / "notebooks", dirs[arm], ignore=shutil.ignore_patterns("runs", "*.md"))
+        for r in range(rounds):
+            for name in names:
+                procs = {}
+                for i, arm in enumerate(ARMS):
+                    times = dirs[arm] / "time.txt"
+                    command = ["taskset", "-c", str((i + r) % 2), "/usr/bin/time", "-f", "%U %S", "-o", str(times),
+                               str(REPO / ".venv" / "bin" / "jupyter-execute"), "--timeout=600", name]
+                    procs[arm] = (subprocess.Popen(command, cwd=dirs[arm], env={**env, "PYTHONPATH": paths[arm]},
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), times)
+                for arm, (proc, times) in procs.items():
+                    proc.wait()
+                    user, system = map(float, times.read_text().split()[-2:])
+                    cpu[name][arm].append(user + system)
+                print(f"round {r + 1}  {name:<34} exact {cpu[name]['exact'][-1]:6.1f} s  "
+                      f"float {cpu[name]['float'][-1]:6.1f} s", flush=True)
+    total = dict.fromkeys(ARMS, 0.0)
+    print(f"{'CPU seconds, median over rounds':<36}{'exact':>8}{'float':>8}{'ratio':>7}")
+    for name in names:
+        median = {arm: statistics.median(cpu[name][arm]) for arm in ARMS}
+        for arm in ARMS:
+            total[arm] += median[arm]
+        print(f"{name:<36}{median['exact']:>8.1f}{median['float']:>8.1f}{median['exact'] / median['float']:>7.2f}")
+    print(f"{'all chapters':<36}{total['exact']:>8.1f}{total['float']:>8.1f}{total['exact'] / total['float']:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -79,7 +79,7 @@ def book() -> dict[str, str]:
     if any(fit.cache_dir().glob("*.npz")):
         raise SystemExit(f"TRIO_OFFLINE_CACHE={fit.cache_dir()} is not empty: the book models would be loaded, "
                          "not fitted")
-    return {spec.role: fit.weights_digest(fit.load_or_fit(spec)) for spec in (fit.STUDENT, fit.TEACHER)}
+    return {spec.role: fit.weights_digest(fit.load_or_fit(spec)) for spec in (fit.STUDENT, fit.TEACHER, fit.TOOL)}
 
 
 if __name__ == "__main__":

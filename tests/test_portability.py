@@ -6,8 +6,8 @@ numpy SIMD level (``NPY_DISABLE_CPU_FEATURES``: none, AVX-512 off, AVX2 and AVX-
 (``OPENBLAS_NUM_THREADS`` 1 and 2), and must give one digest per quantity. The BLAS kernel is varied too
 (``OPENBLAS_CORETYPE``: as found, Haswell, Sandybridge) unless the environment pins it: some machines pin it because
 older OpenBLAS builds miscompute with the kernel they would pick, and tests leave such a pin alone.
-Then the book's two models are fitted from scratch under two other settings and compared with the digests the
-committed outputs were made with (``trio_helpers.offline.catalog.BOOK_WEIGHTS``).
+Then the book's three fitted models (student, teacher, tool) are fitted from scratch under two other settings and
+compared with the digests the committed outputs were made with (``trio_helpers.offline.catalog.BOOK_WEIGHTS``).
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ def test_workload_gives_the_same_bits_under_every_simd_level_thread_count_and_ke
 
 def test_book_models_fitted_under_other_settings_are_the_books(tmp_path):
     """From an empty cache, with AVX2 and AVX-512 off on one BLAS thread, and with two BLAS threads (and another
-    kernel where none is pinned): the weights behind the book's outputs, bit for bit."""
+    kernel where none is pinned): the weights behind the book's outputs, bit for bit (all three fitted models:
+    the student, the teacher and chapter 12's tool model)."""
     other_kernel = None if KERNELS == [None] else "Sandybridge"
     procs = {
         "no AVX2/AVX-512, 1 thread": _run("book", _env(SIMD[-1], "1", None, TRIO_OFFLINE_CACHE=str(tmp_path / "a"))),
         "2 threads": _run("book", _env("", "2", other_kernel, TRIO_OFFLINE_CACHE=str(tmp_path / "b"))),
     }
     for name, digests in _results(procs, timeout=900).items():
-        assert digests == {role: catalog.BOOK_WEIGHTS[role] for role in ("student", "teacher")}, name
+        assert digests == {role: catalog.BOOK_WEIGHTS[role] for role in ("student", "teacher", "tool")}, name

@@ -6,6 +6,12 @@ Usage (from the repository root, on a quiet 2-core machine; about 5 minutes for 
 
     python benchmarks/bench_exact_cost.py            # every chapter, 2 rounds
     python benchmarks/bench_exact_cost.py 3 04 06    # 3 rounds, chapters 04 and 06 only
+    python benchmarks/bench_exact_cost.py --variant real-client 1 04 08   # through pytrio's own client instead
+
+``--variant real-client`` compares the book with itself run through pytrio's unmodified client and the loopback
+server (``benchmarks/real_client/sitecustomize.py``): what issue 23's switch would cost each chapter. The ratio
+column is the first column over the second: exact over float (what exactness costs), or the real client over the
+in-process backend (column ``exact``: the book as it runs today).
 
 Why simultaneous pairs: the machines these benchmarks run on share their host, and the same book's CPU time moves
 by 20 % and more within minutes (``bench_book.py --float-arithmetic``, which runs the two books one after the
@@ -28,10 +34,20 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("exact", "float")
+
+
+VARIANTS = {"float": "float_arithmetic", "real-client": "real_client"}
 
 
 def main(argv: list[str]) -> int:
+    variant = "float"
+    if argv[:1] == ["--variant"]:
+        variant, argv = argv[1], argv[2:]
+        if variant not in VARIANTS:
+            print(f"error: --variant must be one of {sorted(VARIANTS)}, got {variant!r}", file=sys.stderr)
+            return 2
+    # the ratio column is the first arm over the second: exactness's cost, or the real client's over in-process
+    arms = ("exact", variant) if variant == "float" else (variant, "exact")
     rounds = int(argv[0]) if argv else 2
     names = sorted(Path(p).name for p in glob.glob(str(REPO / "notebooks" / "*.ipynb")))
     if argv[1:]:
@@ -42,17 +58,17 @@ def main(argv: list[str]) -> int:
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     env.update(TRIO_BACKEND="offline", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", JUPYTER_PREFER_ENV_PATH="1",
                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    paths = {"exact": str(REPO), "float": f"{REPO / 'benchmarks' / 'float_arithmetic'}{os.pathsep}{REPO}"}
-    cpu = {n: {arm: [] for arm in ARMS} for n in names}
+    paths = {"exact": str(REPO), variant: f"{REPO / 'benchmarks' / VARIANTS[variant]}{os.pathsep}{REPO}"}
+    cpu = {n: {arm: [] for arm in arms} for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_exact_cost_") as tmp:
         dirs = {}
-        for arm in ARMS:
+        for arm in arms:
             dirs[arm] = Path(tmp) / arm
             shutil.copytree(REPO / "notebooks", dirs[arm], ignore=shutil.ignore_patterns("runs", "*.md"))
         for r in range(rounds):
             for name in names:
                 procs = {}
-                for i, arm in enumerate(ARMS):
+                for i, arm in enumerate(arms):
                     times = dirs[arm] / "time.txt"
                     command = ["taskset", "-c", str((i + r) % 2), "/usr/bin/time", "-f", "%U %S", "-o", str(times),
                                str(REPO / ".venv" / "bin" / "jupyter-execute"), "--timeout=600", name]
@@ -62,16 +78,17 @@ def main(argv: list[str]) -> int:
                     proc.wait()
                     user, system = map(float, times.read_text().split()[-2:])
                     cpu[name][arm].append(user + system)
-                print(f"round {r + 1}  {name:<34} exact {cpu[name]['exact'][-1]:6.1f} s  "
-                      f"float {cpu[name]['float'][-1]:6.1f} s", flush=True)
-    total = dict.fromkeys(ARMS, 0.0)
-    print(f"{'CPU seconds, median over rounds':<36}{'exact':>8}{'float':>8}{'ratio':>7}")
+                print(f"round {r + 1}  {name:<34} {arms[0]} {cpu[name][arms[0]][-1]:6.1f} s  "
+                      f"{arms[1]} {cpu[name][arms[1]][-1]:6.1f} s", flush=True)
+    total = dict.fromkeys(arms, 0.0)
+    print(f"{'CPU seconds, median over rounds':<36}{arms[0]:>12}{arms[1]:>12}{'ratio':>7}")
     for name in names:
-        median = {arm: statistics.median(cpu[name][arm]) for arm in ARMS}
-        for arm in ARMS:
+        median = {arm: statistics.median(cpu[name][arm]) for arm in arms}
+        for arm in arms:
             total[arm] += median[arm]
-        print(f"{name:<36}{median['exact']:>8.1f}{median['float']:>8.1f}{median['exact'] / median['float']:>7.2f}")
-    print(f"{'all chapters':<36}{total['exact']:>8.1f}{total['float']:>8.1f}{total['exact'] / total['float']:>7.2f}")
+        print(f"{name:<36}{median[arms[0]]:>12.1f}{median[arms[1]]:>12.1f}{median[arms[0]] / median[arms[1]]:>7.2f}")
+    print(f"{'all chapters':<36}{total[arms[0]]:>12.1f}{total[arms[1]]:>12.1f}"
+          f"{total[arms[0]] / total[arms[1]]:>7.2f}")
     return 0
 
 

@@ -265,3 +265,18 @@ def test_summary_rows_auto_interval_is_never_zero_width_at_0_or_100_percent() ->
     auto = summary_rows({"m": rows}, n_boot=200, interval="auto")[0]
     assert boot["high"] == 0.0  # the bootstrap interval collapses at 0 of 100
     assert auto["low"] == 0.0 and 0.03 < auto["high"] < 0.04  # Wilson: [0, z^2 / (n + z^2)]
+
+
+def test_mean_se_and_paired_mean_se_by_hand():
+    from trio_helpers.evaluation import mean_se, paired_mean_se
+
+    m, se = mean_se([1.0, 2.0, 3.0, 6.0])  # mean 3, sample variance (4+1+0+9)/3 = 14/3
+    assert m == 3.0 and se == pytest.approx(np.sqrt(14 / 3) / 2)
+    m, se = mean_se(np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]]))  # per column (step)
+    assert list(m) == [2.0, 1.0] and se[0] == pytest.approx(2 / np.sqrt(3)) and se[1] == 0.0
+    d, dse = paired_mean_se([0.5, 0.7, 0.9], [0.4, 0.5, 0.9])  # differences 0.1, 0.2, 0.0
+    assert d == pytest.approx(0.1) and dse == pytest.approx(0.1 / np.sqrt(3))
+    with pytest.raises(ValueError, match="at least 2 values"):
+        mean_se([1.0])
+    with pytest.raises(ValueError, match="same seeds"):
+        paired_mean_se([1.0, 2.0], [1.0, 2.0, 3.0])

@@ -9,7 +9,9 @@
   accuracies near 0% or 100%, where the bootstrap interval collapses to a point), and two paired comparisons of two
   models on the same problems;
 - :func:`pass_at_k` and :func:`pass_at_k_curve`: the unbiased pass@k estimator from ``n`` samples per problem;
-- :func:`failure_category` and :func:`grading_note`: why a response earned no reward.
+- :func:`failure_category` and :func:`grading_note`: why a response earned no reward;
+- :func:`mean_se` and :func:`paired_mean_se`: the mean over seeds with its standard error, and the same for per-seed
+  differences between two arms (chapter 8's seeded comparisons, used again in chapters 10-12).
 
 Introduced in: chapter 07 (notebooks/07_evaluation).
 """
@@ -266,6 +268,37 @@ def _as_values(values, name: str) -> np.ndarray:
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name} must be finite")
     return x
+
+
+def mean_se(values, axis: int = 0):
+    """``(mean, standard error)`` over seeds along ``axis``: the sample standard deviation (``ddof=1``) over
+    ``sqrt(n)``. With a 2-D ``[seeds, steps]`` array and ``axis=0``, one mean and one error per step.
+
+    Raises:
+        ValueError: fewer than 2 values along ``axis`` (no spread to estimate).
+
+    Introduced in: chapter 08 (notebooks/08_losses), which defines it in the page; used in chapters 10-12.
+    """
+    v = np.asarray(values, dtype=float)
+    n = v.shape[axis] if v.ndim else 0
+    if n < 2:
+        raise ValueError(f"mean_se needs at least 2 values along axis {axis}, got {n}: run more seeds")
+    return v.mean(axis), v.std(axis=axis, ddof=1) / np.sqrt(n)
+
+
+def paired_mean_se(a, b, axis: int = 0):
+    """:func:`mean_se` of the per-seed differences ``a - b`` (the same seeds, in the same order, in both): a paired
+    comparison of two arms, whose standard error is usually far smaller than the arms' own.
+
+    Raises:
+        ValueError: ``a`` and ``b`` differ in shape, or fewer than 2 seeds.
+
+    Introduced in: chapter 08 (notebooks/08_losses); used in chapters 10 and 11.
+    """
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired_mean_se needs the same seeds in both arms; got shapes {a.shape} and {b.shape}")
+    return mean_se(a - b, axis)
 
 
 def _check_boot(confidence: float, n_boot: int) -> None:

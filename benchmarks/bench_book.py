@@ -9,7 +9,6 @@ Usage::
     python benchmarks/bench_book.py notebooks/05_grpo_async.ipynb   # some notebooks only
     python benchmarks/bench_book.py --workers 2,3 --repeats 2   # worker counts compared, runs interleaved
     python benchmarks/bench_book.py --against --repeats 3       # against the book issue 10 timed, interleaved
-    python benchmarks/bench_book.py --float-arithmetic --repeats 3   # what exact arithmetic costs (same book)
 
 What runs: the pytest command of ``make test``, taken from ``make -n test`` (so its environment and its
 ``TEST_ARGS`` are exactly the Makefile's; strict nbval and the sanitize file come from pyproject.toml's
@@ -172,19 +171,17 @@ def machine_check() -> float:
     return time.process_time() - t0
 
 
-def run_checked(paths: list[str], command: str, tree: Path = REPO, first: str | None = None
-                ) -> tuple[tuple[float, float, int, dict, str], str]:
+def run_checked(paths: list[str], command: str, tree: Path = REPO) -> tuple[tuple[float, float, int, dict, str],
+                                                                          str]:
     """:func:`run_once` between two machine checks: its result and ``"before/after s"``."""
     before = machine_check()
-    result = run_once(paths, command, tree, first)
+    result = run_once(paths, command, tree)
     return result, f"{before:.2f}/{machine_check():.2f} s"
 
 
-def run_once(paths: list[str], command: str, tree: Path = REPO, first: str | None = None
-             ) -> tuple[float, float, int, dict, str]:
+def run_once(paths: list[str], command: str, tree: Path = REPO) -> tuple[float, float, int, dict, str]:
     """Run ``command`` (make test's pytest line) on ``paths`` once, in ``tree`` (a checkout of the book: its
-    ``trio_helpers`` first on the path of pytest and of every kernel); ``first``: a directory put before everything
-    else on that path (``--float-arithmetic``'s sitecustomize).
+    ``trio_helpers`` first on the path of pytest and of every kernel).
 
     Returns:
         (wall seconds, CPU seconds of every process of the run (pytest, its workers and kernels), exit status,
@@ -192,8 +189,7 @@ def run_once(paths: list[str], command: str, tree: Path = REPO, first: str | Non
     """
     with tempfile.TemporaryDirectory(prefix="bench_book_") as tmp:
         out = Path(tmp) / "rows.json"
-        path = ([first] if first else []) + [str(REPO / "benchmarks")] + ([str(tree)] if tree != REPO else []) + [
-            os.environ.get("PYTHONPATH", "")]
+        path = [str(REPO / "benchmarks")] + ([str(tree)] if tree != REPO else []) + [os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "BENCH_BOOK_OUT": str(out), "PYTHONPATH": os.pathsep.join(path)}
         full = f"{command} -p bench_book -q {' '.join(shlex.quote(p) for p in paths)}"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -226,12 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", default=REFERENCE_REV,
                     help=f"the commit --against compares with (default {REFERENCE_REV}: the book issue 10 timed at "
                          f"about {REFERENCE_S:g} s)")
-    ap.add_argument("--float-arithmetic", action="store_true",
-                    help="time this book and the same book computing with numpy's float64 functions instead of "
-                         "exact arithmetic, in turn, --repeats rounds: what exactness costs (CPU ratio)")
     args = ap.parse_args(argv)
-    if args.float_arithmetic:
-        return compare_float_arithmetic([] if args.all else args.paths, max(1, args.repeats))
     if args.against:
         return compare_against(args.rev, [] if args.all else args.paths, max(1, args.repeats), args.budget)
     if args.workers:
@@ -295,18 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     return 2 if failed_files or status not in (0,) else 0
 
 
-def interleaved(paths: list[str], variants: dict[str, tuple], rounds: int) -> list[dict]:
-    """Run every variant (label -> (command, tree[, first path entry])) once per round, in turn, so that a machine that gets busier or
+def interleaved(paths: list[str], variants: dict[str, tuple[str, Path]], rounds: int) -> list[dict]:
+    """Run every variant (label -> (command, tree)) once per round, in turn, so that a machine that gets busier or
     quieter affects them alike (every other round in the reverse order, so that a steady drift does not always
     favour the variant that runs first); print a line per run. Returns each round's ``{label: (wall, cpu, exit
-    status, pytest's last line, per-file rows)}``."""
+    status, pytest's last line)}``."""
     results = []
     for r in range(rounds):
         row = {}
-        for label, (command, tree, *first) in list(variants.items())[::-1 if r % 2 else 1]:
-            (wall, cpu, status, rows, tail), check = run_checked(paths, command, tree, *first)
+        for label, (command, tree) in list(variants.items())[::-1 if r % 2 else 1]:
+            (wall, cpu, status, _, tail), check = run_checked(paths, command, tree)
             last = tail.splitlines()[-1] if tail else ""
-            row[label] = (wall, cpu, status, last, rows["files"])
+            row[label] = (wall, cpu, status, last)
             print(f"round {r + 1}  {label:<9}  wall {wall:6.1f} s  cpu {cpu:6.1f} s  check {check}  exit {status}  "
                   f"{last}")
         results.append(row)
@@ -323,34 +314,7 @@ def compare_workers(counts: list[int], paths: list[str], rounds: int) -> int:
     first = f"-n {counts[0]}"
     print("best wall: " + "; ".join(f"{label} {wall:.1f} s ({wall / best[first]:.2f} x {first})"
                                     for label, wall in best.items()))
-    return 2 if any(status != 0 for row in results for _, _, status, *_ in row.values()) else 0
-
-
-def compare_float_arithmetic(paths: list[str], rounds: int) -> int:
-    """This book as it is and with numpy's float64 products, ``exp`` and ``log`` in place of exact arithmetic
-    (``benchmarks/float_arithmetic/sitecustomize.py``, in every process of that run), in turn, ``rounds`` times:
-    the same chapters and code paths, so the CPU ratio is what the exact arithmetic costs (issue 22's bar: at most
-    1.10). The float run's cells fail nbval where a number changed; they still run, so their time counts."""
-    command = make_test_command()
-    # both runs alike: the float run's sitecustomize imports numpy before conftest.py or a chapter could set these
-    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
-    print(f"{os.cpu_count()} cpus; {' '.join(paths) or 'make test'} of this tree with exact and with float "
-          f"arithmetic, in turn, {rounds} rounds; each: {command} {' '.join(paths)}")
-    results = interleaved(paths, {"exact": (command, REPO),
-                                  "float": (command, REPO, str(REPO / "benchmarks" / "float_arithmetic"))}, rounds)
-    cpu_ratios = [row["exact"][1] / row["float"][1] for row in results]
-    wall_ratios = [row["exact"][0] / row["float"][0] for row in results]
-    for r, (c, w) in enumerate(zip(cpu_ratios, wall_ratios)):
-        print(f"round {r + 1}  exact / float: cpu {c:.2f}, wall {w:.2f}")
-    print(f"{'kernel CPU, median over rounds':<40}{'exact s':>9}{'float s':>9}{'ratio':>7}")
-    for name in sorted(results[0]["exact"][4]):
-        medians = [statistics.median(row[label][4].get(name, {}).get("kernel_cpu") or 0.0 for row in results)
-                   for label in ("exact", "float")]
-        if medians[1]:
-            print(f"{Path(name).name:<40}{medians[0]:>9.1f}{medians[1]:>9.1f}{medians[0] / medians[1]:>7.2f}")
-    print(f"exact / float: cpu median {statistics.median(cpu_ratios):.2f} (range {min(cpu_ratios):.2f}-"
-          f"{max(cpu_ratios):.2f}), wall median {statistics.median(wall_ratios):.2f}")
-    return 2 if any(row["exact"][2] != 0 for row in results) else 0
+    return 2 if any(status != 0 for row in results for _, _, status, _ in row.values()) else 0
 
 
 def export_tree(rev: str, into: Path) -> Path:
@@ -386,7 +350,7 @@ def compare_against(rev: str, paths: list[str], rounds: int, budget: float) -> i
     ratios, cpu_ratios = [], []
     for r, row in enumerate(results):
         (wall, cpu, *_), (ref_wall, ref_cpu, *_) = row["this book"], row["reference"]
-        if any(_ERRORS.search(last) for _, _, _, last, _ in row.values()):
+        if any(_ERRORS.search(last) for *_, last in row.values()):
             print(f"round {r + 1}  this book / reference: left out (errors)")
             continue
         ratios.append(wall / ref_wall)

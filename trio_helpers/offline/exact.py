@@ -59,6 +59,14 @@ def _widths(k: int) -> tuple[int, int]:
     return budget // 2, budget - budget // 2
 
 
+def _round_side(x: np.ndarray, side: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_block_round` of ``x`` as the ``side`` operand of a product: per column on the right, per row on the
+    left, to that side's share of the bits of its inner dimension."""
+    right = side == "right"
+    k = x.shape[0] if right else x.shape[1]
+    return _block_round(x, _widths(k)[1 if right else 0], axis=0 if right else 1)
+
+
 class Rounded:
     """An operand of :func:`matmul` rounded once, for an operand used in several products: a model's frozen output
     matrix, a sampler's adapter (``side="right"``: rounded per column) or a hidden state multiplied by two matrices
@@ -71,19 +79,16 @@ class Rounded:
             raise ValueError(f"side must be 'left' or 'right', got {side!r}")
         x = np.asarray(x, dtype=np.float64)
         self.value, self.shape, self.side = x, x.shape, side
-        self.k = x.shape[0] if side == "right" else x.shape[1]
         if x.size:
-            bits = _widths(self.k)[1 if side == "right" else 0]
-            self.q, self.scale = _block_round(x, bits, axis=0 if side == "right" else 1)
+            self.q, self.scale = _round_side(x, side)
 
 
 def _operand(x, side: str) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(x, Rounded):
-        if x.side != side:
-            raise ValueError(f"matmul: a Rounded(side={x.side!r}) operand used on the {side}")
-        return x.q, x.scale
-    k = x.shape[0] if side == "right" else x.shape[1]
-    return _block_round(x, _widths(k)[1 if side == "right" else 0], axis=0 if side == "right" else 1)
+    if not isinstance(x, Rounded):
+        return _round_side(x, side)
+    if x.side != side:
+        raise ValueError(f"matmul: a Rounded(side={x.side!r}) operand used on the {side}")
+    return x.q, x.scale
 
 
 def matmul(a: np.ndarray | Rounded, b: np.ndarray | Rounded) -> np.ndarray:

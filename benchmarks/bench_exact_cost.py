@@ -14,8 +14,8 @@ column is the first column over the second: exact over float (what exactness cos
 in-process backend (column ``exact``: the book as it runs today).
 
 Why simultaneous pairs: the machines these benchmarks run on share their host, and the same book's CPU time moves
-by 20 % and more within minutes (``bench_book.py --float-arithmetic``, which runs the two books one after the
-other, gave medians of 1.04, 1.52 and 1.23 in three 3-round runs within an hour). Two runs side by side meet the same
+by 20 % and more within minutes (running the two whole books one after the other, 3 rounds each time, gave median
+ratios of 1.04, 1.52 and 1.23 within an hour on 2026-12-03). Two runs side by side meet the same
 host load, so their ratio is steadier. Each run is ``jupyter-execute`` of a copy of the notebook (in a temporary
 directory, so run directories do not collide) under ``/usr/bin/time``: its CPU time (user + system) includes the
 kernel's and the Jupyter client's, alike for both arms. The float run's cells compute other numbers (its outputs

@@ -205,6 +205,7 @@ class OfflineServer:
             self._attempts[key] += 1
             if new_request and attempt == 0:
                 n = next(self._new_requests)
+                self.stats["new_requests"] += 1
                 if self.options.outage_after is not None and n >= self.options.outage_after:
                     self.outage = True
             if self.outage:

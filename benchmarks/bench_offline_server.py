@@ -9,14 +9,18 @@ Both arms run ``trio_helpers.grpo.run_grpo`` with the same config and seed, with
 "in-process" on ``connect("offline", latency=0)`` (the offline backend's own client classes), arm "server" on pytrio's
 ``ServiceClient`` against ``trio_helpers.offline.server`` over 127.0.0.1 (pytrio's transport, its event protocol,
 msgpack and JSON, long polls). It checks that both give the same metrics (wall-clock keys left out) and the same
-final weights, then prints the median wall time of each arm over ``--rounds`` rounds (arms alternate, and every
-other round runs them in reverse order), their ratio and the server's requests per run.
+final weights, then prints the median wall time and CPU time of each arm over ``--rounds`` rounds (arms
+alternate, and every other round runs them in reverse order), their ratios and the extra milliseconds per step,
+the ledger's requests per server run and the HTTP requests pytrio sent for them, by kind. The CPU time is this
+process's (client, server and compute threads alike): it is what a chapter's kernel would spend (issue 23).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trio_helpers import connect  # noqa: E402
 from trio_helpers.data import load_gsm8k  # noqa: E402
 from trio_helpers.grpo import GRPOConfig, run_grpo  # noqa: E402
+from trio_helpers.offline import server as offline_server  # noqa: E402
 from trio_helpers.offline.server import OfflineServer, service_client  # noqa: E402
 from trio_helpers.offline.service import OfflineOptions  # noqa: E402
 
@@ -40,13 +45,13 @@ def comparable(history: list[dict]) -> list[dict]:
 def run(arm: str, config: GRPOConfig, records, server: OfflineServer, home: Path):
     service = (connect("offline", latency=0.0, home=home) if arm == "in-process"
                else service_client(server, retry_initial_delay_seconds=0.05))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     result = run_grpo(service, records, config, progress=False, print_every=0)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     tc = result.training_client
     state = server._runs[tc._training_run_cuid].state if arm == "server" else tc
     weights = [v.tobytes() for v in state._model.adapter.params().values()]
-    return seconds, comparable(result.history), weights
+    return (seconds, cpu), comparable(result.history), weights
 
 
 def main() -> None:
@@ -61,24 +66,41 @@ def main() -> None:
                         weights_name=None)
     records = load_gsm8k("train", source="offline")
     times: dict[str, list[float]] = {"in-process": [], "server": []}
+    cpus: dict[str, list[float]] = {"in-process": [], "server": []}
+    http: collections.Counter = collections.Counter()
+    handle = offline_server._Handler._handle
+
+    def counted(self, method):  # the HTTP requests pytrio sends, by kind (ids left out)
+        http[f"{method} {re.sub(r'(event_|srun-|trun-|session-)[A-Za-z0-9_-]+', '{id}', self.path)}"] += 1
+        return handle(self, method)
+
+    offline_server._Handler._handle = counted
     reference = None
     for r in range(args.rounds):
         arms = ("in-process", "server") if r % 2 == 0 else ("server", "in-process")
         for arm in arms:
             before = server.usage().requests
-            seconds, history, weights = run(arm, config, records, server, home)
+            http.clear()
+            (seconds, cpu), history, weights = run(arm, config, records, server, home)
             times[arm].append(seconds)
+            cpus[arm].append(cpu)
             if reference is None:
                 reference = (history, weights)
             assert (history, weights) == reference, f"{arm} differs in round {r}"
             if arm == "server":
-                requests = server.usage().requests - before
+                requests, sent = server.usage().requests - before, dict(http)
     a, b = statistics.median(times["in-process"]), statistics.median(times["server"])
     print({k: [round(t, 2) for t in v] for k, v in times.items()})
     print(f"GRPO {args.rollout}, {args.steps} steps, batch 4 x group 4, max_tokens 96; {args.rounds} rounds")
-    print(f"same metrics and final weights in every run: yes")
-    print(f"in-process {a:.2f} s   server {b:.2f} s   ratio {b / a:.2f}   "
-          f"difference {(b - a) / args.steps * 1000:.0f} ms/step; {requests} requests per server run")
+    print("same metrics and final weights in every run: yes")
+    print(f"wall: in-process {a:.2f} s   server {b:.2f} s   ratio {b / a:.2f}   "
+          f"difference {(b - a) / args.steps * 1000:.0f} ms/step")
+    a, b = statistics.median(cpus["in-process"]), statistics.median(cpus["server"])
+    print(f"CPU:  in-process {a:.2f} s   server {b:.2f} s   ratio {b / a:.2f}   "
+          f"difference {(b - a) / args.steps * 1000:.0f} ms/step")
+    print(f"a server run: {requests} requests in the ledger, {sum(sent.values())} HTTP requests from pytrio:")
+    for what, n in sorted(sent.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:5d}  {what}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from test_loop import (
 )
 
 from trio_helpers import connect
+from trio_helpers.backend import usage_of
 from trio_helpers.loop import RunStopped, read_checkpoints
 from trio_helpers.recipes import evaluate as evaluate_recipe
 from trio_helpers.recipes import grpo as grpo_recipe
@@ -262,8 +263,8 @@ def run_recipe(recipe: Recipe, argv, monkeypatch) -> RecipeRun:
     services: list = []
     connect_from_args = recipe.module.connect_from_args
 
-    def spy(parser, args):
-        services.append(connect_from_args(parser, args))
+    def spy(parser, args, argv=None):
+        services.append(connect_from_args(parser, args, argv))
         return services[-1]
 
     out, err = io.StringIO(), io.StringIO()
@@ -319,7 +320,7 @@ class RecipeDoneWhen:
                 rows = without_timing(whole_rows(run_dir))
                 assert [r["step"] for r in rows] == [0, 1, 2]
                 assert any(r["train/datums"] > 0 for r in rows), "nothing trained: the comparison proves little"
-                requests = done.services[0].usage().requests  # before the fingerprint's own requests
+                requests = usage_of(done.services[0]).requests  # before the fingerprint's own requests
                 cache[mode] = (rows, cls.fingerprint(done.services[0], done.final_path()), requests)
             return cache[mode]
 
@@ -339,7 +340,7 @@ class RecipeDoneWhen:
         done = run_recipe(self.recipe, [*self.flags(mode), "--fault-rate", "0.2", "--run-dir", "faulty"],
                           monkeypatch)
         assert done.code == 0, done.err
-        usage = done.services[0].usage()
+        usage = usage_of(done.services[0])
         assert usage.retries > 0 and usage.failed_requests == 0 and usage.requests == requests
         assert without_timing(whole_rows("faulty")) == rows
         np.testing.assert_array_equal(self.fingerprint(done.services[0], done.final_path()), fingerprint)

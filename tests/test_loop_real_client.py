@@ -14,6 +14,7 @@ pytrio's retry delays and windows are shortened through ``pytrio.configure`` (it
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import numpy as np
@@ -35,9 +36,24 @@ FAST = dict(retry_initial_delay_seconds=0.005, retry_multiplier=1.5, retry_max_d
 SHORT = {**FAST, **{f"{plane}_retry_timeout_seconds": 0.2 for plane in ("training", "sampling", "control")}}
 
 
+_SERVERS: list[OfflineServer] = []
+
+
+@pytest.fixture(autouse=True)
+def stop_servers():
+    """After each test, the clients it dropped are collected here, on the main thread, while their servers still
+    answer (pytrio closes a session from its client's finalizer and blocks whichever thread runs it), then the
+    servers stop."""
+    yield
+    gc.collect()
+    while _SERVERS:
+        _SERVERS.pop().stop()
+
+
 def served(home, pytrio_options=FAST, **options):
-    """A fresh offline server with ``options`` and pytrio's own client for it."""
+    """A fresh offline server with ``options`` (stopped after the test) and pytrio's own client for it."""
     server = OfflineServer(options=OfflineOptions(latency=0.0, home=home, **options)).start()
+    _SERVERS.append(server)
     return server, service_client(server, **pytrio_options)
 
 
@@ -45,13 +61,10 @@ def served(home, pytrio_options=FAST, **options):
 @pytest.mark.parametrize("kind", KINDS)
 def test_pytrio_client_gives_the_in_process_run(kind, mode, straight, home, tmp_path) -> None:
     clean = straight(kind, mode)
-    server, service = served(home)
-    try:
-        result = run(kind, service, replace(clean.config, run_dir=str(tmp_path / "run")))
-        assert without_timing(result.history) == clean.rows
-        np.testing.assert_array_equal(weights_fingerprint(service, result.final_path), clean.fingerprint)
-    finally:
-        server.stop()
+    _, service = served(home)
+    result = run(kind, service, replace(clean.config, run_dir=str(tmp_path / "run")))
+    assert without_timing(result.history) == clean.rows
+    np.testing.assert_array_equal(weights_fingerprint(service, result.final_path), clean.fingerprint)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -59,46 +72,36 @@ def test_pytrio_client_gives_the_in_process_run(kind, mode, straight, home, tmp_
 def test_pytrio_retries_absorb_faults_on_the_wire(kind, mode, straight, home, tmp_path) -> None:
     clean = straight(kind, mode)
     server, service = served(home, fault_rate=0.2, seed=0)
-    try:
-        result = run(kind, service, replace(clean.config, run_dir=str(tmp_path / "faulty")), retries=None)
-        stats = server.stats
-        assert stats["faults_before"] > 0 and stats["faults_after"] > 0, stats
-        assert set(server.executions().values()) == {1}  # a re-sent event was answered, never run again
-        assert without_timing(result.history) == clean.rows
-        np.testing.assert_array_equal(weights_fingerprint(service, result.final_path), clean.fingerprint)
-    finally:
-        server.stop()
+    result = run(kind, service, replace(clean.config, run_dir=str(tmp_path / "faulty")), retries=None)
+    stats = server.stats
+    assert stats["faults_before"] > 0 and stats["faults_after"] > 0, stats
+    assert set(server.executions().values()) == {1}  # a re-sent event was answered, never run again
+    assert without_timing(result.history) == clean.rows
+    np.testing.assert_array_equal(weights_fingerprint(service, result.final_path), clean.fingerprint)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_outage_stops_cleanly_and_resume_completes_the_run(kind, straight, home, tmp_path) -> None:
-    """An outage from each of the last 10 new requests of the run on: a clean stop each time, and where a state
-    was saved, a resume on a healthy server that reproduces the uninterrupted run."""
+    """An outage from each of the last 10 numbered requests of the run on: a clean stop each time, and where a
+    state was saved, a resume on a healthy server that reproduces the uninterrupted run."""
     clean = straight(kind, "sync")
     probe, probe_service = served(home)
     run(kind, probe_service, replace(clean.config, run_dir=str(tmp_path / "probe")))
     total = probe.stats["new_requests"]
-    probe.stop()
     resumed_from = set()
     for n in range(total - 10, total):
         config = replace(clean.config, run_dir=str(tmp_path / f"outage-{n}"))
-        down, service = served(home, SHORT, outage_after=n)
-        try:
-            with pytest.raises(RunStopped) as info:
-                run(kind, service, config, retries=NO_WAIT)
-        finally:
-            down.stop()
+        _, service = served(home, SHORT, outage_after=n)
+        with pytest.raises(RunStopped) as info:
+            run(kind, service, config, retries=NO_WAIT)
         stopped = info.value
         rows = assert_stopped_cleanly(stopped, config.run_dir)
         assert without_timing(rows) == clean.rows[: stopped.completed], f"outage from request {n}"
         if stopped.checkpoint is None:
             continue
         resumed_from.add(stopped.checkpoint["step"])
-        healthy, service = served(home)
-        try:
-            resumed = run(kind, service, config, resume=True)
-            assert without_timing(whole_rows(config.run_dir)) == clean.rows, f"outage from request {n}"
-            np.testing.assert_array_equal(weights_fingerprint(service, resumed.final_path), clean.fingerprint)
-        finally:
-            healthy.stop()
+        _, service = served(home)
+        resumed = run(kind, service, config, resume=True)
+        assert without_timing(whole_rows(config.run_dir)) == clean.rows, f"outage from request {n}"
+        np.testing.assert_array_equal(weights_fingerprint(service, resumed.final_path), clean.fingerprint)
     assert 3 in resumed_from  # some resume started from the checkpoint of step 3 and redid step 3

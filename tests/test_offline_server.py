@@ -196,14 +196,15 @@ def test_faults_before_and_after_the_work_change_nothing(home, reference):
 
 
 def test_an_outage_surfaces_pytrio_errors_within_the_window(home):
-    down = OfflineServer(options=OfflineOptions(latency=0.0, home=home, outage_after=4)).start()
+    # requests are numbered as the ledger counts them (pytrio's session and init_run are not numbered)
+    down = OfflineServer(options=OfflineOptions(latency=0.0, home=home, outage_after=2)).start()
     short = {**FAST, "training_retry_timeout_seconds": 0.5, "control_retry_timeout_seconds": 0.5}
-    svc = service_client(down, **short)  # session create: new request 0
-    tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=2)  # 1
-    tc.forward_backward(CE).result()  # 2 (init_run), 3
+    svc = service_client(down, **short)  # session create: not numbered
+    tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=2)  # request 0
+    tc.forward_backward(CE).result()  # init_run (not numbered), then request 1
     started = time.monotonic()
     with pytest.raises(ActorEventSubmitError) as failed:
-        tc.optim_step(HP).result()  # 4: the outage begins
+        tc.optim_step(HP).result()  # request 2: the outage begins
     assert failed.value.status_code == 503
     with pytest.raises(ControlAPIError):
         svc.create_sampling_client(MODEL)

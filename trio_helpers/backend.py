@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 from pytrio.errors.auth import AuthError
 
@@ -37,6 +38,14 @@ REMOTE_TIMEOUTS = {
 
 _ACTIVE: str | None = None  # the backend the last connect() returned: "offline", "remote" or None
 _OFFLINE_LEDGERS: list = []  # the usage ledgers of the offline services connect() created (small; no threads)
+_SERVERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pytrio client -> its offline server
+
+# pytrio's retries against connect("offline", server=True): its first delay, growth, longest delay and retry
+# windows (the service's defaults: 1 s doubling to 30 s, 900-s windows), so a fault costs milliseconds and an
+# outage surfaces within seconds; jitter off, so runs take the same path every time.
+OFFLINE_SERVER_RETRIES = dict(retry_initial_delay_seconds=0.01, retry_multiplier=2.0, retry_max_delay_seconds=0.2,
+                              retry_jitter_ratio=0.0, training_retry_timeout_seconds=2.0,
+                              sampling_retry_timeout_seconds=2.0, control_retry_timeout_seconds=2.0)
 
 
 class MissingCredentialsError(AuthError):
@@ -116,6 +125,23 @@ def offline_usages() -> list:
     return [ledger.snapshot() for ledger in _OFFLINE_LEDGERS]
 
 
+def usage_of(service):
+    """The offline ledger (``Usage``) of ``service``: an in-process offline client's ``usage()``, or the ledger
+    of the offline server behind a pytrio client that ``connect("offline", server=True)`` returned; None for a
+    client of the real service (which reports no usage: see your account's usage page).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    try:
+        served = _SERVERS.get(service)
+    except TypeError:  # not weak-referenceable: not one of ours
+        served = None
+    if served is not None:
+        return served.usage()
+    usage = getattr(service, "usage", None)
+    return usage() if callable(usage) else None
+
+
 def active_backend() -> str | None:
     """The backend of the service the last ``connect()`` returned: ``"offline"``, ``"remote"``, or None before any.
 
@@ -191,13 +217,17 @@ def probe_remote(verify=None, timeouts: dict | None = None) -> float:
     return time.monotonic() - started
 
 
-def connect(backend: str | None = None, **options):
+def connect(backend: str | None = None, *, server: bool = False, **options):
     """Return a service client: ``pytrio.ServiceClient`` (remote) or the offline backend's twin.
 
     Args:
         backend: ``"offline"``, ``"remote"`` or ``"auto"``; default: the ``TRIO_BACKEND`` environment variable,
             else ``"auto"``. ``auto`` picks remote when pytrio finds a credential (``trio login`` or
             ``PYTRIO_API_KEY``), otherwise offline, and prints one line saying which and how to switch.
+        server: offline only: serve the offline backend on 127.0.0.1 (``trio_helpers.offline.server``, a fresh
+            server in a daemon thread) and return pytrio's own ``ServiceClient`` for it, so every call goes through
+            pytrio's transport, retries and validation; pytrio's retry delays and windows are shortened to
+            :data:`OFFLINE_SERVER_RETRIES` for it. :func:`usage_of` reads its ledger. The recipes use it.
         **options: offline: ``latency``, ``fault_rate``, ``seed``, ``home`` (see ``OfflineOptions``).
             remote: any ``pytrio.configure`` keyword (e.g. ``training_retry_timeout_seconds``), applied before
             the client is created; without any, the client keeps pytrio's default retry windows.
@@ -227,10 +257,21 @@ def connect(backend: str | None = None, **options):
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise ValueError(f"offline backend options are {sorted(allowed)}; got unknown {unknown}")
-        client = OfflineServiceClient(OfflineOptions(**options))
+        if server:
+            from trio_helpers.offline.server import OfflineServer, service_client
+
+            served = OfflineServer(options=OfflineOptions(**options)).start()
+            client = service_client(served, **OFFLINE_SERVER_RETRIES)
+            _SERVERS[client] = served
+            ledger = served._runtime.ledger
+        else:
+            client = OfflineServiceClient(OfflineOptions(**options))
+            ledger = client._runtime.ledger
         _ACTIVE = "offline"
-        _OFFLINE_LEDGERS.append(client._runtime.ledger)
+        _OFFLINE_LEDGERS.append(ledger)
         return client
+    if server:
+        raise ValueError("server=True serves the offline backend; it cannot be combined with the remote backend")
     import pytrio as trio
 
     if not has_pytrio_credentials():

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fault-rate", type=float, default=0.0,
                         help="probability that an attempt is answered HTTP 503 (pytrio retries it)")
     parser.add_argument("--outage-after", type=int, default=None,
-                        help="answer 503 to everything from this request on (0-based)")
+                        help="answer 503 to everything from this request on (0-based; requests are numbered as the "
+                             "ledger counts them: runs created, training events and samples, not pytrio's own "
+                             "session, init_run, renewal, poll or heartbeat requests)")
     parser.add_argument("--seed", type=int, default=0, help="seeds faults and the default sampling seeds")
     parser.add_argument("--home", type=Path, default=None,
                         help="checkpoint directory (default: $TRIO_OFFLINE_HOME or ~/.cache/trio_helpers)")

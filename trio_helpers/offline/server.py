@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -161,7 +162,7 @@ class OfflineServer:
         self._ids = itertools.count(1)
         self.outage = False
         self.stats: Counter = Counter()  # faults_before, faults_after, event_exists, ... (for tests and the CLI)
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self._httpd = _QuietServer(("127.0.0.1", port), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.offline = self  # type: ignore[attr-defined]
         self.port = self._httpd.server_address[1]
@@ -199,7 +200,13 @@ class OfflineServer:
 
     # --- faults -----------------------------------------------------------------------------------------------
     def fault(self, key: tuple, new_request: bool) -> str | None:
-        """``"before"``, ``"after"`` or None for one attempt of the request identified by ``key``."""
+        """``"before"``, ``"after"`` or None for one attempt of the request identified by ``key``.
+
+        ``new_request``: a request the ledger counts (the calls a program makes: runs created, events, samples),
+        numbered in order of arrival for ``outage_after``, as the in-process backend numbers them. pytrio's own
+        requests (its session, the lazy ``trainer.init_run``, renewals, polls, heartbeats) are not numbered,
+        but fail like the others once an outage has begun.
+        """
         with self._lock:
             attempt = self._attempts[key]
             self._attempts[key] += 1
@@ -210,13 +217,22 @@ class OfflineServer:
                     self.outage = True
             if self.outage:
                 self.stats["faults_before"] += 1
+                _account((self._runtime.ledger,), {"retries": 1})
                 return "before"
         seed = self.options.seed
         if self.options.fault_rate and _unit(seed, "fault", key, attempt) < self.options.fault_rate:
             when = "after" if _unit(seed, "when", key, attempt) < self.fault_after_share else "before"
             self.stats[f"faults_{when}"] += 1
+            _account((self._runtime.ledger,), {"retries": 1})  # the ledger's retries: attempts answered 503
             return when
         return None
+
+    def unavailable(self) -> HTTPError:
+        """The 503 answer of a faulted attempt, saying which fault it is."""
+        if self.outage:
+            return HTTPError(503, "unavailable", f"offline server: simulated outage, HTTP 503 to every request from "
+                                                 f"request {self.options.outage_after} on (outage_after)")
+        return HTTPError(503, "unavailable", "offline server: simulated transient fault, HTTP 503")
 
     # --- control plane ----------------------------------------------------------------------------------------
     def _actor(self) -> ActorConnectionInfo:
@@ -352,7 +368,8 @@ class OfflineServer:
             # the compute thread runs work in arrival order, and pytrio sends a run's events one at a time
             event.future = self._runtime._compute(lambda: self._execute(run, event))
         if fault == "after":
-            raise HTTPError(503, "unavailable", "simulated transient fault (after the work was accepted)")
+            raise HTTPError(503, "unavailable",
+                            "offline server: simulated transient fault, HTTP 503 (after the work was accepted)")
         return EventAcceptedResponse(version=EVENT_PROTOCOL_VERSION, event_id=envelope.event_id,
                                      type=envelope.type, status=EventStatus.ACCEPTED)
 
@@ -454,7 +471,8 @@ class OfflineServer:
                 fut.set_exception(exc)
         response = fut.result()
         if fault == "after":
-            raise HTTPError(503, "unavailable", "simulated transient fault (after the sample was computed)")
+            raise HTTPError(503, "unavailable",
+                            "offline server: simulated transient fault, HTTP 503 (after the sample was computed)")
         return response
 
     def _sampler(self, run: _Run) -> OfflineSamplingClient:
@@ -561,6 +579,14 @@ def _plan(payload) -> tuple[TrainingBatchPlan, str]:
     return TrainingBatchPlan(chunks=(chunk,), totals=totals), name
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that drops its connection (pytrio closing its pool, a cancelled request) is not an error."""
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as pytrio's httpx pools connections
     disable_nagle_algorithm = True  # headers and body go out in two writes: without it, ~40 ms delayed ACKs
@@ -609,10 +635,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.headers.get("X-API-Key") != OFFLINE_API_KEY:
                     raise HTTPError(401, "auth.invalid_api_key", "this offline server accepts only its own key")
                 body = json.loads(raw) if raw else {}
+                counted = (method == "PATCH" or method == "POST" and path.endswith(("/training-runs",
+                                                                                    "/sampling-runs")))
                 fault = None if path == "/api/telemetry/event" else srv.fault(
-                    ("control", method, path, raw), new_request=method != "GET")
+                    ("control", method, path, raw), new_request=counted)
                 if fault:  # control calls fail before their work: a created-then-503 run would be a duplicate
-                    raise HTTPError(503, "unavailable", "simulated transient fault")
+                    raise srv.unavailable()
                 self._json(200, srv.control(method, path[len("/api/"):], query, body))
                 return
             token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
@@ -621,20 +649,21 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HTTPError(401, "auth.invalid_token", "unknown actor token")
             if method == "POST" and path == "/v1/events":
                 envelope = EventEnvelope.model_validate(msgpack.unpackb(raw, raw=False))
-                fault = srv.fault(("event", envelope.metadata.run_id, envelope.metadata.index), new_request=True)
+                fault = srv.fault(("event", envelope.metadata.run_id, envelope.metadata.index),
+                                  new_request=envelope.type != EventType.TRAINER_INIT_RUN)
                 if fault == "before":
-                    raise HTTPError(503, "unavailable", "simulated transient fault")
+                    raise srv.unavailable()
                 self._msgpack(srv.submit_event(envelope, fault))
             elif method == "GET" and (m := re.fullmatch(r"/v1/events/([^/]+)", path)):
                 if srv.fault(("poll", m[1]), new_request=False):
-                    raise HTTPError(503, "unavailable", "simulated transient fault")
+                    raise srv.unavailable()
                 prefer = re.search(r"wait=(\d+)", self.headers.get("Prefer") or "")
                 # answer before the client's own timeout (which is the same number of seconds)
                 wait = 0.8 * int(prefer[1]) if prefer else 0.0
                 self._msgpack(srv.get_event(m[1], wait))
             elif method == "POST" and path == "/v1/client/heartbeat":
                 if srv.fault(("heartbeat", run.cuid, run.heartbeats), new_request=False):
-                    raise HTTPError(503, "unavailable", "simulated transient fault")
+                    raise srv.unavailable()
                 self._json(200, srv.heartbeat(run))
             elif method == "POST" and (m := re.fullmatch(r"/v1/sampling-runs/([^/]+)/sample", path)):
                 request = SampleRequest.model_validate(json.loads(raw))
@@ -642,7 +671,7 @@ class _Handler(BaseHTTPRequestHandler):
                        request.request_id)
                 fault = srv.fault(key, new_request=True)
                 if fault == "before":
-                    raise HTTPError(503, "unavailable", "simulated transient fault")
+                    raise srv.unavailable()
                 self._json(200, srv.sample(m[1], request, fault))
             else:
                 raise HTTPError(404, "not_found", f"the offline server does not serve {method} {path}")

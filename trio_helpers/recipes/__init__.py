@@ -282,24 +282,36 @@ def load_data(parser: argparse.ArgumentParser, load, flags: str):
         raise SystemExit(2 if usage else 1) from None
 
 
-def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """``trio_helpers.connect`` with the backend flags; a missing login or a bad backend is one line, exit 2.
+def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None = None):
+    """``trio_helpers.connect`` with the backend flags; a missing login or a bad backend is one line, exit 2; a
+    service that fails while pytrio's client opens its session (the offline server, down from the start) is one
+    line, exit 1. Offline, the client is pytrio's own, for the offline server (``connect(..., server=True)``).
 
     Introduced in: chapter 05 (notebooks/05_grpo_async).
     """
     from trio_helpers import connect
+    from trio_helpers.backend import resolve_backend
 
     options = {name: getattr(args, name) for name in OFFLINE_FLAGS if getattr(args, name, None) is not None}
     try:
-        return connect(args.backend, **options)
+        # offline, the recipes run pytrio's own client against the offline server on 127.0.0.1
+        served = resolve_backend(args.backend) == "offline"
+        return connect(args.backend, server=served, **options)
     except (ValueError, TypeError) as err:
         parser.error(str(err))
     except Exception as err:  # pytrio's AuthError, an unreachable service: one line, no traceback
+        from pytrio.errors.auth import AuthError
         from pytrio.errors.base import PyTrioError
 
         if not isinstance(err, (PyTrioError, ConnectionError)):
             raise
         message = getattr(err, "message", None) or str(err)
+        if isinstance(err, PyTrioError) and not isinstance(err, AuthError):
+            # pytrio's client opens its session when it is created: the offline server down from the start
+            message = (message or type(err).__name__).splitlines()[0]
+            print(f"{parser.prog}: error: the run could not start: {type(err).__name__}: {message}"
+                  f"{_outage_note(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+            raise SystemExit(1) from None
         print(f"{parser.prog}: error: {message.splitlines()[0] if message else type(err).__name__}",
               file=sys.stderr)
         raise SystemExit(2) from None
@@ -493,10 +505,12 @@ def report_usage(service, run_dir, path=None) -> None:
     from trio_helpers.costs import chapter_bill, real_tokens
     from trio_helpers.tracking import write_atomic
 
-    if not hasattr(service, "usage"):
+    from trio_helpers.backend import usage_of
+
+    used = usage_of(service)
+    if used is None:
         print("usage: the real service's client reports none; see your account's usage page")
         return
-    used = service.usage()
     print(chapter_bill(used))
     if run_dir or path is not None:
         bill = real_tokens(used)

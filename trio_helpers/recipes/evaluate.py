@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from trio_helpers.data import load_gsm8k
     from trio_helpers.evaluation import evaluate
 
-    service = connect_from_args(parser, args)
+    service = connect_from_args(parser, args, argv)
     flags = f"--data-source {args.data_source}" + (f" --data-path {args.data_path}" if args.data_path else "")
     records = load_data(parser, lambda: load_gsm8k(args.split, source=args.data_source, path=args.data_path),
                         flags)[: args.eval_samples]

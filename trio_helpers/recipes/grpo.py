@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from trio_helpers.data import load_gsm8k
 
     start = time.perf_counter()
-    service = connect_from_args(parser, args)
+    service = connect_from_args(parser, args, argv)
     records = load_data(parser, lambda: load_gsm8k("train"), "GSM8K train split, --backend")
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     total = total_steps_for(config, len(records))

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from trio_helpers.data import load_deepmath
 
     start = time.perf_counter()
-    service = connect_from_args(parser, args)
+    service = connect_from_args(parser, args, argv)
     records = load_data(parser, lambda: load_deepmath(sample_size=args.sample_size, seed=args.seed,
                                                       num_shards=args.num_shards, local_dir=args.data_dir),
                         f"--data-dir {args.data_dir} --num-shards {args.num_shards}")

@@ -96,12 +96,13 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
                    help="service backend (default: $TRIO_BACKEND, else auto: remote when logged in)")
     g.add_argument("--latency", type=number_where("a number of seconds >= 0", lambda v: v >= 0), default=None,
-                   help="offline only: simulated seconds each request spends on the network")
+                   help="offline only: seconds each request waits on the offline server before its answer")
     g.add_argument("--fault-rate", type=number_where("a probability in [0, 1)", lambda v: 0 <= v < 1),
-                   default=None, help="offline only: share of requests that fail transiently (retried inside "
-                   "the client, as pytrio's transport does)")
+                   default=None, help="offline only: share of attempts the offline server answers HTTP 503 "
+                   "(pytrio's client retries them)")
     g.add_argument("--outage-after", type=int_at_least(0), default=None,
-                   help="offline only: every request from the N-th on fails, outlasting the retry window")
+                   help="offline only: every request from the N-th on is answered 503, outlasting pytrio's retry "
+                   "window")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: only when stderr is a terminal)")
 

@@ -13,10 +13,12 @@
   here once and run by ``test_recipe_grpo.py`` and ``test_recipe_opd.py`` (so each file stays small); backend
   flags refused with ``--backend remote``, no login, a service down from the start: here.
 
-The loop's runs are the small ones of ``test_loop.py`` (its helpers and uninterrupted reference runs are reused).
-pytrio's retry windows are cut to 20 simulated seconds where an outage is simulated, so that its requests give up
-after about 20 ms of real time instead of 0.9 s (the offline backend sleeps 1 ms per simulated second of
-retrying).
+The loop's runs are the small ones of ``test_loop.py`` (its helpers and uninterrupted reference runs are reused),
+on the in-process backend; ``test_loop_real_client.py`` runs them through pytrio's own client. pytrio's retry
+windows are cut to 20 simulated seconds where an outage is simulated, so that its requests give up after about
+20 ms of real time instead of 0.9 s (the offline backend sleeps 1 ms per simulated second of retrying). The
+recipes run pytrio's own client against the offline server (``connect("offline", server=True)``), whose faults
+are 503s on the wire and whose retry windows are ``OFFLINE_SERVER_RETRIES``' 2 s of real time.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import pytrio
 import test_loop
 from test_loop import (
     KINDS,
@@ -340,13 +343,13 @@ class RecipeDoneWhen:
         done = run_recipe(self.recipe, [*self.flags(mode), "--fault-rate", "0.2", "--run-dir", "faulty"],
                           monkeypatch)
         assert done.code == 0, done.err
-        usage = usage_of(done.services[0])
+        assert type(done.services[0]) is pytrio.ServiceClient  # offline, the recipes run pytrio's own client
+        usage = usage_of(done.services[0])  # the server's ledger: its retries are the attempts answered 503
         assert usage.retries > 0 and usage.failed_requests == 0 and usage.requests == requests
         assert without_timing(whole_rows("faulty")) == rows
         np.testing.assert_array_equal(self.fingerprint(done.services[0], done.final_path()), fingerprint)
 
-    def test_outage_stops_in_two_lines_and_the_printed_resume_completes_the_run(self, clean, monkeypatch,
-                                                                                 short_windows) -> None:
+    def test_outage_stops_in_two_lines_and_the_printed_resume_completes_the_run(self, clean, monkeypatch) -> None:
         mode = self.outage_mode
         rows, fingerprint, requests = clean(mode)
         flags = [*self.flags(mode), "--run-dir", "run", "--outage-after", str(requests - 5)]
@@ -363,7 +366,7 @@ class RecipeDoneWhen:
         assert without_timing(whole_rows("run")) == rows, "rows differ, or a step is missing or doubled"
         np.testing.assert_array_equal(self.fingerprint(resumed.services[0], resumed.final_path()), fingerprint)
 
-    def test_a_torn_last_row_does_not_block_resume(self, clean, monkeypatch, short_windows) -> None:
+    def test_a_torn_last_row_does_not_block_resume(self, clean, monkeypatch) -> None:
         rows, fingerprint, requests = clean("sync")
         stopped = run_recipe(self.recipe, [*self.flags("sync"), "--run-dir", "run", "--outage-after",
                                            str(requests - 5)], monkeypatch)
@@ -473,7 +476,7 @@ def test_the_real_service_without_a_login_is_one_line(name, capsys, no_network, 
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
-def test_a_service_down_from_the_start_is_one_line(recipe, tmp_path, monkeypatch, short_windows) -> None:
+def test_a_service_down_from_the_start_is_one_line(recipe, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TRIO_OFFLINE_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     done = run_recipe(recipe, [*recipe.flags, "--outage-after", "0"], monkeypatch)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_loop_failures import GRPO_RECIPE, OPD_RECIPE, run_recipe, short_windows  # noqa: F401
+from test_loop_failures import GRPO_RECIPE, OPD_RECIPE, run_recipe
 from test_run_dir import fill, read_only_dir, small_disk  # noqa: F401 - fixtures
 
 import trio_helpers.loop as loop
@@ -135,7 +135,7 @@ def test_trio_backend_in_capitals_still_refuses_offline_flags(monkeypatch, capsy
     assert info.value.code == 2 and "--outage-after simulate the offline backend" in capsys.readouterr().err
 
 
-def test_an_outage_from_the_start_names_the_simulated_outage(monkeypatch, short_windows) -> None:
+def test_an_outage_from_the_start_names_the_simulated_outage(monkeypatch) -> None:
     done = run_recipe(GRPO_RECIPE, [*TINY, "--outage-after", "0", "--run-dir", "o"], monkeypatch)
     assert done.code == 1
     assert "simulated outage: --outage-after 0" in one_error(done, GRPO_RECIPE.prog)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_loop_failures import GRPO_RECIPE, RecipeDoneWhen, short_windows  # noqa: F401 - a fixture
+from test_loop_failures import GRPO_RECIPE, RecipeDoneWhen
 
 from trio_helpers.recipes import grpo as recipe
 

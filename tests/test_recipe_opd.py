@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from test_loop_failures import OPD_RECIPE, RecipeDoneWhen, short_windows  # noqa: F401 - a fixture
+from test_loop_failures import OPD_RECIPE, RecipeDoneWhen
 
 from trio_helpers.recipes import opd
 

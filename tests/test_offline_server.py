@@ -306,3 +306,22 @@ def test_forward_outputs_are_built_without_pydantic_validation_on_the_compute_th
     built, validated = _logprob_tensor(values), TensorData.from_numpy(values.astype(np.float32))
     assert built == validated and built.model_dump() == validated.model_dump()
     assert _logprob_tensor(np.zeros(0)).model_dump() == TensorData.from_numpy(np.zeros(0, np.float32)).model_dump()
+
+
+def test_the_exact_reverse_kl_reads_the_servers_models(server, home):
+    """The offline-only exact KL (chapter 6) takes pytrio's sampling clients of an offline server too: the same
+    numbers as with the in-process clients; a client that no offline backend serves is refused."""
+    from trio_helpers.distillation import exact_reverse_kl_offline
+    from trio_helpers.offline.server import sampler_model
+
+    teacher_model = "Qwen/Qwen3.6-27B"
+    local = connect("offline", latency=0.0, home=home)
+    svc = service_client(server, **FAST)
+    prompts = [PROMPT, trio.ModelInput.from_ints(list(b"The answer is"))]
+    kl = {name: exact_reverse_kl_offline(s.create_sampling_client(MODEL), s.create_sampling_client(teacher_model),
+                                         prompts, max_tokens=6, samples=2)
+          for name, s in (("local", local), ("server", svc))}
+    np.testing.assert_equal(kl["server"], kl["local"])  # (nan where a split has no position, in both)
+    assert kl["local"]["tokens"] > 0
+    with pytest.raises(TypeError, match="not served by the offline backend"):
+        sampler_model(object())

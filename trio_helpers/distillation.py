@@ -424,14 +424,21 @@ def final_line_start(tokenizer, tokens: Sequence[int]) -> int:
     return min(start, len(tokens))
 
 
-def _require_offline(**clients) -> None:
+def _require_offline(**clients) -> dict:
+    """The offline model behind each sampling client (``trio_helpers.offline.server.sampler_model``), by name."""
+    from trio_helpers.offline.server import sampler_model
+
+    models = {}
     for name, client in clients.items():
-        if not hasattr(client, "_model") or type(client).__name__ != "OfflineSamplingClient":
+        try:
+            models[name] = sampler_model(client)
+        except TypeError:
             raise TypeError(
                 f"{name} is a {type(client).__name__}; the exact reverse KL reads the offline backend's internal "
                 "model and works only with trio_helpers.connect('offline') sampling clients. On the real service use "
                 "sampled_reverse_kl (the sampled-token estimate)."
-            )
+            ) from None
+    return models
 
 
 def _exact_kl_of(student_sampler, teacher_sampler, pairs) -> dict[str, float]:
@@ -439,13 +446,14 @@ def _exact_kl_of(student_sampler, teacher_sampler, pairs) -> dict[str, float]:
     from trio_helpers.offline import exact
     from trio_helpers.offline.model import log_softmax, sequence_rows
 
+    models = _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
     tokenizer = student_sampler.get_tokenizer()
     kls, sampled, final = [], [], []
     for pt, ct in pairs:
         tokens = list(pt) + list(ct)
         rows = sequence_rows(tokens[:-1])[len(pt) - 1 :]
-        ls = log_softmax(student_sampler._model.forward(rows)[1])
-        lt = log_softmax(teacher_sampler._model.forward(rows)[1])
+        ls = log_softmax(models["student_sampler"].forward(rows)[1])
+        lt = log_softmax(models["teacher_sampler"].forward(rows)[1])
         kls.append((exact.exp(ls) * (ls - lt)).sum(axis=-1))
         picked = np.arange(len(ct)), np.asarray(ct)
         sampled.append(ls[picked] - lt[picked])

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ def _unit(*parts: object) -> float:
     """A number in [0, 1) determined by ``parts`` (the seeded fault draws)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # base URL -> live server of this process
 
 
 class HTTPError(Exception):
@@ -168,6 +172,7 @@ class OfflineServer:
         self.port = self._httpd.server_address[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._thread: threading.Thread | None = None
+        _LIVE[self.base_url] = self
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "OfflineServer":
@@ -686,6 +691,26 @@ class _Handler(BaseHTTPRequestHandler):
 # --- pytrio's client for the in-process server ---------------------------------------------------------------
 _SERVER: OfflineServer | None = None
 _SERVER_LOCK = threading.Lock()
+
+
+def sampler_model(client) -> TinyLM:
+    """The offline model behind a sampling client, for the offline-only measures that read whole distributions
+    (``trio_helpers.distillation.exact_reverse_kl_offline``): an in-process ``OfflineSamplingClient``'s own, or,
+    for pytrio's ``SamplingClient`` of an offline server in this process, that sampling run's model on the server.
+
+    Raises:
+        TypeError: ``client`` is neither (a client of the real service, or of a server in another process).
+    """
+    if isinstance(client, OfflineSamplingClient):
+        return client._model
+    cuid = getattr(client, "sampling_run_cuid", None)
+    runtime = getattr(client, "_runtime", None)  # pytrio 0.2.9: the client's runtime knows its base URL
+    url = getattr(getattr(runtime, "configuration", None), "base_url", None)
+    server = _LIVE.get(str(url).rstrip("/")) if url is not None else None
+    if server is None or cuid not in server._runs:
+        raise TypeError(f"a {type(client).__name__} that is not served by the offline backend in this process; "
+                        "its whole next-token distributions cannot be read")
+    return server._sampler(server._runs[cuid])._model
 
 
 def start_server(options: OfflineOptions | None = None) -> OfflineServer:

@@ -23,14 +23,13 @@ import test_loop
 from test_loop import KINDS, MODES, run, weights_fingerprint, without_timing
 from test_loop_failures import NO_WAIT, assert_stopped_cleanly, whole_rows
 
+from trio_helpers.backend import OFFLINE_SERVER_RETRIES
 from trio_helpers.loop import RunStopped
 from trio_helpers.offline.server import OfflineServer, service_client
 from trio_helpers.offline.service import OfflineOptions
 
 home, straight = test_loop.home, test_loop.straight  # fixtures: the offline home, the in-process reference runs
-FAST = dict(retry_initial_delay_seconds=0.005, retry_multiplier=1.5, retry_max_delay_seconds=0.02,
-            retry_jitter_ratio=0.0, training_retry_timeout_seconds=2.0, sampling_retry_timeout_seconds=2.0,
-            control_retry_timeout_seconds=2.0)
+FAST = OFFLINE_SERVER_RETRIES  # what connect("offline", server=True) and the recipes use
 
 # an outage: pytrio gives up on a request after 0.2 s of retrying instead of 2
 SHORT = {**FAST, **{f"{plane}_retry_timeout_seconds": 0.2 for plane in ("training", "sampling", "control")}}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 
 from pytrio.errors.auth import AuthError
 
@@ -38,7 +37,6 @@ REMOTE_TIMEOUTS = {
 
 _ACTIVE: str | None = None  # the backend the last connect() returned: "offline", "remote" or None
 _OFFLINE_LEDGERS: list = []  # the usage ledgers of the offline services connect() created (small; no threads)
-_SERVERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pytrio client -> its offline server
 
 # pytrio's retries against connect("offline", server=True): its first delay, growth, longest delay and retry
 # windows (the service's defaults: 1 s doubling to 30 s, 900-s windows), so a fault costs milliseconds and an
@@ -132,14 +130,13 @@ def usage_of(service):
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
     """
-    try:
-        served = _SERVERS.get(service)
-    except TypeError:  # not weak-referenceable: not one of ours
-        served = None
-    if served is not None:
-        return served.usage()
     usage = getattr(service, "usage", None)
-    return usage() if callable(usage) else None
+    if callable(usage):  # the in-process offline client
+        return usage()
+    from trio_helpers.offline.server import server_of
+
+    served = server_of(service)
+    return None if served is None else served.usage()
 
 
 def active_backend() -> str | None:
@@ -262,7 +259,6 @@ def connect(backend: str | None = None, *, server: bool = False, **options):
 
             served = OfflineServer(options=OfflineOptions(**options)).start()
             client = service_client(served, **OFFLINE_SERVER_RETRIES)
-            _SERVERS[client] = served
             ledger = served._runtime.ledger
         else:
             client = OfflineServiceClient(OfflineOptions(**options))

@@ -441,12 +441,12 @@ def _require_offline(**clients) -> dict:
     return models
 
 
-def _exact_kl_of(student_sampler, teacher_sampler, pairs) -> dict[str, float]:
-    """Exact per-position reverse KL over ``(prompt_tokens, completion_tokens)`` pairs, split at the final line."""
+def _exact_kl_of(student_sampler, models: dict, pairs) -> dict[str, float]:
+    """Exact per-position reverse KL over ``(prompt_tokens, completion_tokens)`` pairs, split at the final line;
+    ``models``: :func:`_require_offline`'s."""
     from trio_helpers.offline import exact
     from trio_helpers.offline.model import log_softmax, sequence_rows
 
-    models = _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
     tokenizer = student_sampler.get_tokenizer()
     kls, sampled, final = [], [], []
     for pt, ct in pairs:
@@ -492,10 +492,10 @@ def exact_reverse_kl_offline(student_sampler, teacher_sampler, prompts: Sequence
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
-    _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
+    models = _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
     pairs = [(_prompt_tokens(p), list(s.tokens))
              for p, seqs in _heldout_samples(student_sampler, prompts, seed, max_tokens, samples, stop) for s in seqs]
-    return _exact_kl_of(student_sampler, teacher_sampler, pairs)
+    return _exact_kl_of(student_sampler, models, pairs)
 
 
 def exact_rollout_kl_offline(student_sampler, teacher_sampler, groups: Sequence) -> dict[str, float]:
@@ -510,9 +510,9 @@ def exact_rollout_kl_offline(student_sampler, teacher_sampler, groups: Sequence)
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
-    _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
+    models = _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
     pairs = [(_prompt_tokens(g.prompt), list(s.tokens)) for g in groups for s in g.sequences]
-    return _exact_kl_of(student_sampler, teacher_sampler, pairs)
+    return _exact_kl_of(student_sampler, models, pairs)
 
 
 # --------------------------------------------------------------------------------------------------- viewing

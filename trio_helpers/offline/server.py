@@ -693,6 +693,15 @@ _SERVER: OfflineServer | None = None
 _SERVER_LOCK = threading.Lock()
 
 
+def server_of(client) -> OfflineServer | None:
+    """The offline server in this process that a pytrio client (``ServiceClient``, ``TrainingClient`` or
+    ``SamplingClient``) talks to, found by its base URL; None for anything else (the real service's clients, the
+    in-process ones, a server in another process)."""
+    runtime = getattr(client, "_runtime", None)  # pytrio 0.2.9: a client's runtime holds its configuration
+    url = getattr(getattr(runtime, "configuration", None), "base_url", None)
+    return _LIVE.get(str(url).rstrip("/")) if url is not None else None
+
+
 def sampler_model(client) -> TinyLM:
     """The offline model behind a sampling client, for the offline-only measures that read whole distributions
     (``trio_helpers.distillation.exact_reverse_kl_offline``): an in-process ``OfflineSamplingClient``'s own, or,
@@ -704,9 +713,7 @@ def sampler_model(client) -> TinyLM:
     if isinstance(client, OfflineSamplingClient):
         return client._model
     cuid = getattr(client, "sampling_run_cuid", None)
-    runtime = getattr(client, "_runtime", None)  # pytrio 0.2.9: the client's runtime knows its base URL
-    url = getattr(getattr(runtime, "configuration", None), "base_url", None)
-    server = _LIVE.get(str(url).rstrip("/")) if url is not None else None
+    server = server_of(client)
     if server is None or cuid not in server._runs:
         raise TypeError(f"a {type(client).__name__} that is not served by the offline backend in this process; "
                         "its whole next-token distributions cannot be read")

@@ -306,16 +306,20 @@ def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
         if not isinstance(err, (PyTrioError, ConnectionError)):
             raise
-        message = getattr(err, "message", None) or str(err)
         if isinstance(err, PyTrioError) and not isinstance(err, AuthError):
             # pytrio's client opens its session when it is created: the offline server down from the start
-            message = (message or type(err).__name__).splitlines()[0]
-            print(f"{parser.prog}: error: the run could not start: {type(err).__name__}: {message}"
-                  f"{_outage_note(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+            _could_not_start(parser.prog, err, _outage_note(sys.argv[1:] if argv is None else argv))
             raise SystemExit(1) from None
+        message = getattr(err, "message", None) or str(err)
         print(f"{parser.prog}: error: {message.splitlines()[0] if message else type(err).__name__}",
               file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _could_not_start(prog: str, err: BaseException, outage: str) -> None:
+    """The one line for a pytrio error before a run's first step (its clients could not be created)."""
+    message = (getattr(err, "message", None) or str(err) or type(err).__name__).splitlines()[0]
+    print(f"{prog}: error: the run could not start: {type(err).__name__}: {message}{outage}", file=sys.stderr)
 
 
 def resume_command(prog: str, argv: list[str]) -> str:
@@ -386,9 +390,7 @@ def run_and_report(parser: argparse.ArgumentParser, argv: list[str], run):
 
         if not isinstance(err, PyTrioError):
             raise
-        message = (getattr(err, "message", None) or str(err) or type(err).__name__).splitlines()[0]
-        print(f"{prog}: error: the run could not start: {type(err).__name__}: {message}{outage}",
-              file=sys.stderr)
+        _could_not_start(prog, err, outage)
         return None, 1
     except KeyboardInterrupt:
         if not getattr(parser, "_resumable", True):

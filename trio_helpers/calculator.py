@@ -40,6 +40,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from fractions import Fraction
 
 from trio_helpers.episodes import StepResult
+from trio_helpers.grading import gsm8k_reward
 
 MAX_CHARS = 200
 """Longest expression accepted, in characters (GSM8K's calculator notes are under 40)."""
@@ -316,7 +317,7 @@ class CalculatorEnv:
     ``step(text, tokens)``: when the turn holds a tool call, evaluate it (:func:`calculate`; a bad call gets its
     ``error: ...`` line as the reply, never an exception) and reply with :func:`tool_reply_text`; otherwise the turn
     is the final answer: the episode ends with ``reward_fn(text, record)``, by default chapter 02's final-answer
-    reward (:func:`trio_helpers.grpo.gsm8k_reward`: 1.0 when the last ``\\boxed{}`` equals the gold answer).
+    reward (:func:`trio_helpers.grading.gsm8k_reward`: 1.0 when the last ``\\boxed{}`` equals the gold answer).
     After ``max_calls`` calls a further call is answered with an error asking for the final answer.
 
     Args:
@@ -369,13 +370,8 @@ class CalculatorEnv:
             raise RuntimeError("CalculatorEnv.step before reset(record): start each episode with reset")
         call = find_tool_call(text)
         if call is None:
-            if self.reward_fn is not None:
-                reward = self.reward_fn(text, self.record)
-            else:  # chapter 02's strict reward (trio_helpers.grpo.gsm8k_reward, without importing the loop)
-                from trio_helpers.grading import extract_gsm8k_answer, grade_answer
-
-                reward = grade_answer(text, extract_gsm8k_answer(self.record["answer"]))
-            return StepResult([], done=True, reward=float(reward))
+            reward_fn = self.reward_fn or gsm8k_reward
+            return StepResult([], done=True, reward=float(reward_fn(text, self.record)))
         body, closed = call
         self.calls += 1
         if self.calls > self.max_calls:

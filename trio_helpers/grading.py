@@ -24,6 +24,7 @@ __all__ = [
     "answers_match",
     "extract_answer_flexible",
     "grade_answer",
+    "gsm8k_reward",
     "grade_answer_flexible",
     "reward_plus_minus",
     "grade_with_math_verify",
@@ -435,6 +436,15 @@ def grade_answer(response: str, gold: str) -> float:
         _normalized_gold(gold)
         return 0.0
     return 1.0 if answers_match(boxed, gold) else 0.0
+
+
+def gsm8k_reward(text: str, record: dict) -> float:
+    """1.0 when the last ``\\boxed{}`` of ``text`` equals the record's gold answer, else 0.0: :func:`grade_answer`
+    against :func:`extract_gsm8k_answer` of ``record["answer"]`` (also importable from ``trio_helpers.grpo``).
+
+    Introduced in: chapter 04 (notebooks/04_grpo_sync).
+    """
+    return float(grade_answer(text, extract_gsm8k_answer(record["answer"])))
 
 
 def grade_answer_flexible(response: str, gold: str) -> float:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trio_helpers.grading import gsm8k_reward  # the GRPO chapters' reward (importable from here too)
 from trio_helpers.loop import LoopConfig, RunResult, StepOutput, one_step, run_loop
 from trio_helpers.rl import make_group, reward_metrics
 
@@ -119,16 +120,6 @@ def calculator_env(tokenizer, config: "GRPOConfig", reward_fn: "RewardFn | None"
 
 ENVIRONMENTS = {"calculator": calculator_env}
 """Environments a run can name in :attr:`GRPOConfig.env`: ``name -> factory(tokenizer, config, reward_fn)``."""
-
-
-def gsm8k_reward(text: str, record: dict) -> float:
-    """1.0 when the last ``\\boxed{}`` of ``text`` equals the record's gold answer, else 0.0 (chapter 02's grader).
-
-    Introduced in: chapter 04 (notebooks/04_grpo_sync).
-    """
-    from trio_helpers.grading import extract_gsm8k_answer, grade_answer
-
-    return float(grade_answer(text, extract_gsm8k_answer(record["answer"])))
 
 
 def batch_prompts(tokenizer, records_batch: Sequence[tuple[int, dict]]) -> list:

@@ -479,10 +479,11 @@ def completion_metrics(groups: Sequence[Group], max_tokens: int) -> dict[str, fl
     lengths = np.array([len(s.tokens) for g in groups for s in g.sequences])
     if lengths.size == 0:
         raise ValueError("groups must hold at least one completion; got an empty step")
-    # an episode (chapter 12) is cut off when a bound ended it or a turn used its whole max_tokens
-    cut = np.array([e.truncated is not None or "length" in e.stop_reasons for g in groups
-                    for e in g.extras["episodes"]] if all(g.extras.get("episodes") is not None for g in groups)
-                   else lengths >= max_tokens)
+    episodes = [g.extras.get("episodes") for g in groups]
+    if all(e is not None for e in episodes):  # chapter 12: a bound ended the episode or a turn used max_tokens
+        cut = [e.truncated is not None or "length" in e.stop_reasons for group in episodes for e in group]
+    else:
+        cut = lengths >= max_tokens
     logprobs = [np.asarray(s.logprobs, dtype=np.float64) for g in groups for s in g.sequences if s.tokens]
     entropy = float(-np.concatenate(logprobs).mean()) if logprobs else float("nan")
     return {

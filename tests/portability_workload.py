@@ -35,7 +35,7 @@ def small() -> dict[str, str]:
 
     out: dict[str, str] = {}
     records = load_gsm8k("train", source="offline")
-    service = connect("offline", latency=0.0, home=tempfile.mkdtemp())
+    service = connect("offline", latency=0.0, home=tempfile.mkdtemp(), in_process=True)
     config = GRPOConfig(steps=2, batch_size=2, group_size=4, max_tokens=96, seed=0, lr_schedule="cosine")
     result = run_grpo(service, records[:16], config)
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in result.history]

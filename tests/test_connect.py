@@ -75,27 +75,47 @@ def logged_in(monkeypatch):
     monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: True)
 
 
-def test_offline_returns_the_offline_client(no_env, tmp_path, capsys):
+def test_offline_returns_pytrio_client_for_an_offline_server(no_env, tmp_path, capsys):
+    import pytrio
+
+    from trio_helpers.offline.server import server_of
+
     svc = trio_helpers.connect("offline", latency=0.0, home=tmp_path)
+    assert type(svc) is pytrio.ServiceClient  # pytrio's own client, not an imitation
+    served = server_of(svc)
+    assert served is not None and served.base_url.startswith("http://127.0.0.1:")
+    assert served.options.latency == 0.0 and served.options.home == tmp_path
+    assert "offline/tiny" in [m.model_name for m in svc.get_server_capabilities().supported_models]
+    assert capsys.readouterr().out == ""  # an explicit choice prints nothing
+
+
+def test_in_process_returns_the_offline_engine_client(no_env, tmp_path, capsys):
+    svc = trio_helpers.connect("offline", latency=0.0, home=tmp_path, in_process=True)
     assert isinstance(svc, OfflineServiceClient)
     assert svc.options.latency == 0.0 and svc.options.home == tmp_path
     assert "offline/tiny" in svc.get_supported_models()
-    assert capsys.readouterr().out == ""  # an explicit choice prints nothing
+    assert capsys.readouterr().out == ""
+
+
+def test_in_process_is_refused_for_the_remote_backend(no_env, fake_remote, logged_in):
+    with pytest.raises(ValueError, match="in_process=True is an option of the offline backend"):
+        trio_helpers.connect("remote", in_process=True)
+    assert FakeServiceClient.instances == [] and fake_remote == []  # refused before anything was created
 
 
 @pytest.mark.parametrize("spelling", ["offline", "OFFLINE", " Offline "])
 def test_backend_name_is_case_and_space_insensitive(no_env, spelling):
-    assert isinstance(trio_helpers.connect(spelling, latency=0.0), OfflineServiceClient)
+    assert isinstance(trio_helpers.connect(spelling, latency=0.0, in_process=True), OfflineServiceClient)
 
 
 def test_trio_backend_env_is_respected(no_env, monkeypatch, fake_remote, logged_in, capsys):
     monkeypatch.setenv("TRIO_BACKEND", "offline")
-    assert isinstance(trio_helpers.connect(latency=0.0), OfflineServiceClient)
+    assert isinstance(trio_helpers.connect(latency=0.0, in_process=True), OfflineServiceClient)
     monkeypatch.setenv("TRIO_BACKEND", "remote")
     assert isinstance(trio_helpers.connect(), FakeServiceClient)
     assert fake_remote == []  # no options: pytrio's own settings are left alone
     # the argument wins over the environment
-    assert isinstance(trio_helpers.connect("offline", latency=0.0), OfflineServiceClient)
+    assert isinstance(trio_helpers.connect("offline", latency=0.0, in_process=True), OfflineServiceClient)
     assert capsys.readouterr().out == ""
 
 
@@ -110,12 +130,12 @@ def test_invalid_backend(no_env, monkeypatch, bad):
 
 def test_auto_without_credentials_picks_offline_and_says_so(no_env, monkeypatch, fake_remote, capsys):
     monkeypatch.setattr(backend, "has_pytrio_credentials", lambda: False)
-    svc = trio_helpers.connect(latency=0.0)  # default: auto
+    svc = trio_helpers.connect(latency=0.0, in_process=True)  # default: auto
     assert isinstance(svc, OfflineServiceClient)
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "offline" in out and "trio login" in out
     assert fake_remote == [] and FakeServiceClient.instances == []
-    assert isinstance(trio_helpers.connect("auto", latency=0.0), OfflineServiceClient)
+    assert isinstance(trio_helpers.connect("auto", latency=0.0, in_process=True), OfflineServiceClient)
 
 
 def test_auto_with_credentials_picks_remote(no_env, fake_remote, logged_in, capsys):
@@ -217,7 +237,7 @@ def test_resolve_backend_matches_connect_without_printing(no_env, monkeypatch, c
 def test_active_backend_follows_connect(no_env, monkeypatch, fake_remote, logged_in):
     monkeypatch.setenv("TRIO_BACKEND", "remote")
     assert backend.active_backend() is None and backend.backend_in_use() == "remote"
-    trio_helpers.connect("offline", latency=0.0)
+    trio_helpers.connect("offline", latency=0.0, in_process=True)
     assert backend.active_backend() == "offline" and backend.backend_in_use() == "offline"
     trio_helpers.connect("remote")
     assert backend.active_backend() == "remote"
@@ -239,14 +259,14 @@ def test_unknown_offline_options(no_env):
 
 
 def test_offline_options_are_passed_through(no_env, tmp_path):
-    svc = trio_helpers.connect("offline", latency=0.5, fault_rate=0.25, seed=9, home=str(tmp_path))
+    svc = trio_helpers.connect("offline", latency=0.5, fault_rate=0.25, seed=9, home=str(tmp_path), in_process=True)
     assert (svc.options.latency, svc.options.fault_rate, svc.options.seed) == (0.5, 0.25, 9)
     assert svc.options.home == tmp_path
 
 
 def test_offline_home_defaults_to_env(no_env, monkeypatch, tmp_path):
     monkeypatch.setenv("TRIO_OFFLINE_HOME", str(tmp_path / "h"))
-    assert trio_helpers.connect("offline").options.home == tmp_path / "h"
+    assert trio_helpers.connect("offline", in_process=True).options.home == tmp_path / "h"
 
 
 def test_has_pytrio_credentials_reads_env_and_pytrio_state(no_env, monkeypatch):

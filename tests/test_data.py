@@ -96,7 +96,7 @@ def test_data_follows_the_backend_connect_returned(online_env, monkeypatch, no_n
     monkeypatch.setenv("TRIO_BACKEND", "remote")  # the environment says remote ...
     import trio_helpers
 
-    trio_helpers.connect("offline", latency=0.0)  # ... but the service in use is offline
+    trio_helpers.connect("offline", latency=0.0, in_process=True)  # ... but the service in use is offline
     write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", ROWS)
     assert data.load_gsm8k("train") == shipped("gsm8k_train.jsonl")
 

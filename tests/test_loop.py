@@ -148,7 +148,7 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(home):
-    return connect("offline", latency=0.0, home=home)
+    return connect("offline", in_process=True, latency=0.0, home=home)
 
 
 _BASELINES: dict[tuple[str, str], Baseline] = {}  # shared by the modules that import this one
@@ -162,7 +162,7 @@ def straight(home, tmp_path_factory):
 
     def get(kind: str, mode: str) -> Baseline:
         if (kind, mode) not in cache:
-            service = connect("offline", latency=0.0, home=home)
+            service = connect("offline", in_process=True, latency=0.0, home=home)
             config = canonical(kind, mode, run_dir=str(tmp_path_factory.mktemp(f"straight-{kind}-{mode}")))
             events: list[tuple[str, int]] = []
             result = run(kind, service, config, on_event=lambda what, step, t: events.append((what, step)))
@@ -289,7 +289,7 @@ def test_pipeline_staleness_stays_within_its_bound_and_drains_at_checkpoints(kin
 @pytest.mark.parametrize("kind", KINDS)
 def test_pipeline_results_do_not_depend_on_timing(kind, straight, home, tmp_path) -> None:
     fast = straight(kind, "pipeline")
-    service = connect("offline", latency=0.02, home=home)
+    service = connect("offline", in_process=True, latency=0.02, home=home)
     config = replace(fast.config, run_dir=str(tmp_path / "slow"))  # where the metrics go changes nothing
     slow = run(kind, service, config)
     assert without_timing(slow.history) == fast.rows
@@ -369,7 +369,7 @@ def test_opd_rank_must_be_an_integer(value) -> None:
 ])
 def test_records_without_the_needed_fields_are_rejected_before_anything_is_created(kind, bad, message, home,
                                                                                   tmp_path) -> None:
-    inner = connect("offline", latency=0.0, home=home)
+    inner = connect("offline", in_process=True, latency=0.0, home=home)
     service = CountingService(inner)
     good = list(records(kind))[:3]
     if kind == "grpo":
@@ -383,7 +383,7 @@ def test_records_without_the_needed_fields_are_rejected_before_anything_is_creat
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_invalid_config_creates_and_writes_nothing(kind, home, tmp_path) -> None:
-    inner = connect("offline", latency=0.0, home=home)
+    inner = connect("offline", in_process=True, latency=0.0, home=home)
     service = CountingService(inner)
     with pytest.raises(ValueError, match="lora_rank"):
         run(kind, service, make_config(kind, lora_rank="8", run_dir=str(tmp_path / "run")))
@@ -391,7 +391,7 @@ def test_an_invalid_config_creates_and_writes_nothing(kind, home, tmp_path) -> N
 
 
 def test_an_invalid_resume_writes_nothing(home, tmp_path) -> None:
-    service = CountingService(connect("offline", latency=0.0, home=home))
+    service = CountingService(connect("offline", in_process=True, latency=0.0, home=home))
     with pytest.raises(ValueError, match="no saved state"):
         run("grpo", service, make_config("grpo", run_dir=str(tmp_path / "missing")), resume=True)
     assert not (tmp_path / "missing").exists()
@@ -423,7 +423,7 @@ def test_run_grpo_and_run_opd_are_run_loop_with_a_scorer(straight, service, tmp_
 def test_a_step_that_trains_nothing_saves_no_second_sampler(service, home) -> None:
     """With a constant reward every group is degenerate: nothing is sent, no optimizer step, so the weights of the
     next version are the ones already saved, and the loop samples them again instead of saving them again."""
-    fresh = connect("offline", latency=0.0, home=home)
+    fresh = connect("offline", in_process=True, latency=0.0, home=home)
     config = make_config("grpo", rollout="sync")
     saves = []
     rows = run_grpo(CountingService(fresh), list(records("grpo")), config, reward_fn=lambda text, record: 1.0,

@@ -1,6 +1,6 @@
 """The issue's "done when", as tests: the loop (and its recipes) under transient faults, outages and interruptions.
 
-- transient faults (``connect("offline", fault_rate=0.2)``) are retried inside the offline clients, as pytrio's
+- transient faults (``connect("offline", in_process=True, fault_rate=0.2)``) are retried inside the offline clients, as pytrio's
   transport does: GRPO and OPD, sync, async and pipelined, complete with the rows and final weights of the
   fault-free run (no user-level retries are allowed in those runs, so nothing can have reached the loop);
 - an outage (``outage_after=N``: every request from the N-th on fails once its retry window ran out) stops a run
@@ -17,7 +17,7 @@ The loop's runs are the small ones of ``test_loop.py`` (its helpers and uninterr
 on the in-process backend; ``test_loop_real_client.py`` runs them through pytrio's own client. pytrio's retry
 windows are cut to 20 simulated seconds where an outage is simulated, so that its requests give up after about
 20 ms of real time instead of 0.9 s (the offline backend sleeps 1 ms per simulated second of retrying). The
-recipes run pytrio's own client against the offline server (``connect("offline", server=True)``), whose faults
+recipes run pytrio's own client against the offline server (``connect("offline", in_process=True, server=True)``), whose faults
 are 503s on the wire and whose retry windows are ``OFFLINE_SERVER_RETRIES``' 2 s of real time.
 """
 
@@ -104,7 +104,7 @@ def assert_stopped_cleanly(stopped: RunStopped, run_dir) -> list[dict]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_transient_faults_cost_time_not_results(kind, mode, straight, home, tmp_path) -> None:
     clean = straight(kind, mode)
-    service = connect("offline", latency=0.0, fault_rate=0.2, seed=0, home=home)
+    service = connect("offline", in_process=True, latency=0.0, fault_rate=0.2, seed=0, home=home)
     result = run(kind, service, replace(clean.config, run_dir=str(tmp_path / "faulty")), retries=None)
     usage = service.usage()
     assert usage.retries > 0 and usage.failed_requests == 0  # faults happened, and the client absorbed them
@@ -122,7 +122,7 @@ def test_an_outage_stops_the_run_cleanly_and_resume_completes_it(kind, mode, str
     config = replace(clean.config, run_dir=str(tmp_path / "run"))
     # a run ends with forward_backward, optim_step, save_state, save_weights_for_sampler: the outage starts at the
     # request before those, the last sampling (or teacher) request of the last step
-    outage = connect("offline", latency=0.0, outage_after=clean.requests - 5, home=home)
+    outage = connect("offline", in_process=True, latency=0.0, outage_after=clean.requests - 5, home=home)
     with pytest.raises(RunStopped) as info:
         run(kind, outage, config)  # the default retry policy: sampling is retried at user level, then gives up
     stopped = info.value
@@ -131,7 +131,7 @@ def test_an_outage_stops_the_run_cleanly_and_resume_completes_it(kind, mode, str
     assert "(after pytrio's retries and 4 attempts of ours)" in stopped.call
     assert without_timing(rows) == clean.rows[: stopped.completed]
 
-    healthy = connect("offline", latency=0.0, home=home)
+    healthy = connect("offline", in_process=True, latency=0.0, home=home)
     resumed = run(kind, healthy, config, resume=True)
     assert resumed.start_step == 3
     assert [r["step"] for r in whole_rows(config.run_dir)] == [0, 1, 2, 3], "a step missing or doubled"
@@ -146,7 +146,7 @@ def test_an_outage_at_any_request_stops_cleanly_and_resumes_exactly(kind, home, 
     teacher's compute_logprobs, forward_backward, optim_step, save_state, and the final weights."""
     small = {"group_size": 1} if kind == "opd" else {}
     config = make_config(kind, steps=2, save_every=1, max_tokens=4, run_dir=str(tmp_path / "clean"), **small)
-    clean_service = connect("offline", latency=0.0, home=home)
+    clean_service = connect("offline", in_process=True, latency=0.0, home=home)
     clean = run(kind, clean_service, config)
     total = clean_service.usage().requests
     first = 2 if kind == "opd" else 1  # before that, the run cannot start (creating the teacher / trainer)
@@ -154,11 +154,11 @@ def test_an_outage_at_any_request_stops_cleanly_and_resumes_exactly(kind, home, 
         run_dir = tmp_path / f"outage-{n}"
         broken = replace(config, run_dir=str(run_dir))
         with pytest.raises(RunStopped) as info:
-            run(kind, connect("offline", latency=0.0, outage_after=n, home=home), broken, retries=NO_WAIT)
+            run(kind, connect("offline", in_process=True, latency=0.0, outage_after=n, home=home), broken, retries=NO_WAIT)
         assert_stopped_cleanly(info.value, run_dir)
         if info.value.checkpoint is None:
             continue
-        resumed = run(kind, connect("offline", latency=0.0, home=home), broken, resume=True)
+        resumed = run(kind, connect("offline", in_process=True, latency=0.0, home=home), broken, resume=True)
         assert without_timing(whole_rows(run_dir)) == without_timing(clean.history), f"outage from request {n}"
         assert [c["step"] for c in resumed.checkpoints] == [1, 2]
 
@@ -191,7 +191,7 @@ def test_no_optim_step_follows_a_failed_forward_backward(kind, home, tmp_path, s
         return SpyTrainingClient(service.create_lora_training_client(config.base_model, rank=config.lora_rank,
                                                                      seed=config.seed), service)
 
-    probe_service = connect("offline", latency=0.0, home=home)
+    probe_service = connect("offline", in_process=True, latency=0.0, home=home)
     probe = spied(probe_service)
     run(kind, probe_service, config, training_client=probe)
     # in a sync run every earlier request has finished when forward_backward is sent: the count is its index
@@ -199,7 +199,7 @@ def test_no_optim_step_follows_a_failed_forward_backward(kind, home, tmp_path, s
     assert len(fb_requests) >= 3
     target = fb_requests[2]  # the third forward_backward: two optimizer steps and their checkpoints before it
 
-    outage = connect("offline", latency=0.0, outage_after=target, home=home)
+    outage = connect("offline", in_process=True, latency=0.0, outage_after=target, home=home)
     spy = spied(outage)
     run_dir = tmp_path / "run"
     with pytest.raises(RunStopped) as info:
@@ -212,7 +212,7 @@ def test_no_optim_step_follows_a_failed_forward_backward(kind, home, tmp_path, s
     # The trainer's state is still that of the last checkpoint (read through the offline client's internals:
     # a broken training client can no longer save, and pytrio offers no other way to read Adam's counter).
     last = read_checkpoints(run_dir)[-1]
-    restored = connect("offline", latency=0.0, home=home).create_training_client_from_state_with_optimizer(
+    restored = connect("offline", in_process=True, latency=0.0, home=home).create_training_client_from_state_with_optimizer(
         last["path"])
     assert spy.inner._adam["step"] == restored._adam["step"] == names.count("optim_step")
     for key, value in restored._model.adapter.params().items():

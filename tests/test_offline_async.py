@@ -61,7 +61,7 @@ def test_sync_api_inside_a_running_event_loop(tmp_path):
 
     async def cell():
         asyncio.get_running_loop()  # we really are inside a running loop
-        svc = connect("offline", latency=0.01, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.01, home=tmp_path)
         tc = svc.create_lora_training_client(MODEL, rank=RANK)
         sampler = tc.save_weights_and_get_sampling_client()
         res = sampler.sample(PROMPT, num_samples=2, sampling_params=trio.SamplingParams(max_tokens=8, seed=1)).result()
@@ -79,7 +79,7 @@ def test_sync_api_inside_a_running_event_loop(tmp_path):
 
 def test_async_api_under_asyncio_run(tmp_path):
     async def main():
-        svc = connect("offline", latency=0.01, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.01, home=tmp_path)
         tc = await svc.create_lora_training_client_async(MODEL, rank=RANK)
         fb = await tc.forward_backward_async(DATA)
         opt = await tc.optim_step_async(trio.AdamParams(learning_rate=1e-2))
@@ -99,7 +99,7 @@ def test_async_api_under_asyncio_run(tmp_path):
 
 
 def test_results_do_not_depend_on_sync_or_async(tmp_path):
-    svc = connect("offline", latency=0.0, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.0, home=tmp_path)
     sampler = svc.create_sampling_client(MODEL)
     sp = trio.SamplingParams(max_tokens=10, seed=42)
     sync = sampler.sample(PROMPT, num_samples=3, sampling_params=sp).result()
@@ -123,7 +123,7 @@ class _Jitter:
 
 def test_concurrent_requests_overlap_their_latency(tmp_path):
     latency = 0.2
-    svc = connect("offline", latency=latency, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=latency, home=tmp_path)
     sampler = svc.create_sampling_client(MODEL)
     sp = trio.SamplingParams(max_tokens=4, seed=0)
     sampler.sample(PROMPT, sampling_params=sp).result()  # warm-up (tokenizer, caches)
@@ -155,7 +155,7 @@ def test_training_ops_run_in_submission_order(tmp_path, monkeypatch):
     hp = trio.AdamParams(learning_rate=5e-2)
 
     def back_to_back(latency):
-        svc = connect("offline", latency=latency, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=latency, home=tmp_path)
         tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=4)
         futures = []
         for _ in range(3):
@@ -165,7 +165,7 @@ def test_training_ops_run_in_submission_order(tmp_path, monkeypatch):
         return tc, [f.result() for f in futures]
 
     def awaited():
-        svc = connect("offline", latency=0.0, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.0, home=tmp_path)
         tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=4)
         outs = []
         for _ in range(3):
@@ -195,7 +195,7 @@ def test_training_ops_run_in_submission_order(tmp_path, monkeypatch):
 
 def test_async_training_ops_keep_submission_order(tmp_path):
     async def main():
-        svc = connect("offline", latency=0.02, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.02, home=tmp_path)
         tc = await svc.create_lora_training_client_async(MODEL, rank=RANK, seed=4)
         fb = await tc.forward_backward_async(DATA)
         opt = await tc.optim_step_async(trio.AdamParams(learning_rate=5e-2))
@@ -211,7 +211,7 @@ def test_async_training_ops_keep_submission_order(tmp_path):
 # --------------------------------------------------------------------------------------------------- faults
 def _retries(seed: int, n: int = 24) -> tuple[int, ...]:
     """How many retries each of ``n`` sampling requests needed under ``fault_rate=0.5``."""
-    svc = connect("offline", latency=0.0, fault_rate=0.5, seed=seed)
+    svc = connect("offline", in_process=True, latency=0.0, fault_rate=0.5, seed=seed)
     sampler = svc.create_sampling_client(MODEL)
     counts = []
     for i in range(n):

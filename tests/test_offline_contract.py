@@ -123,7 +123,7 @@ def test_offline_does_not_offer_the_excluded_methods_by_accident():
 # ---------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    return connect("offline", latency=0.0, home=tmp_path_factory.mktemp("offline_home"))
+    return connect("offline", in_process=True, latency=0.0, home=tmp_path_factory.mktemp("offline_home"))
 
 
 @pytest.fixture(scope="module")
@@ -520,7 +520,7 @@ def small_windows():
 def test_exhausted_windows_raise_pytrio_errors(tmp_path, small_windows):
     """Same class, message, code, status, retryable flag and hint as pytrio's transport."""
     ref = _pytrio_reference_errors()
-    offline = connect("offline", latency=0.0, outage_after=2, home=tmp_path)
+    offline = connect("offline", in_process=True, latency=0.0, outage_after=2, home=tmp_path)
     tc = offline.create_lora_training_client(MODEL, rank=RANK)  # request 0
     sampler = offline.create_sampling_client(MODEL)  # 1; from 2 on the service is down
     got: dict[str, list[Exception]] = {"training": [], "sampling": [], "control": []}
@@ -550,7 +550,7 @@ LONG_PROMPT = "Natalia sold clips to 48 of her friends in April, then half as ma
 
 def _sampler_vs_trainer(precision, home, seed=3):
     """Mean |sample logprob - trainer logprob| over the sampled tokens, and the numbers."""
-    svc = connect("offline", latency=0.0, sampler_logit_precision=precision, home=home)
+    svc = connect("offline", in_process=True, latency=0.0, sampler_logit_precision=precision, home=home)
     tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=1)
     sampler = tc.save_weights_and_get_sampling_client()
     tokens = list(LONG_PROMPT.encode())
@@ -607,7 +607,7 @@ def test_rounded_sampler_stays_deterministic_and_leaves_the_trainer_alone(tmp_pa
     data = [ce_datum(list(b"the trainer is never rounded"))]
     outs = []
     for precision in (None, "float8_e4m3"):
-        svc = connect("offline", latency=0.0, sampler_logit_precision=precision,
+        svc = connect("offline", in_process=True, latency=0.0, sampler_logit_precision=precision,
                       home=tmp_path)
         tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=1)
         outs.append(tc.forward_backward(data).result())
@@ -632,4 +632,4 @@ def test_round_mantissa_matches_numpy_float16_and_bfloat16_bits():
 @pytest.mark.parametrize("bad", ["bf16", "float64", 16, ""])
 def test_sampler_logit_precision_is_validated(bad):
     with pytest.raises(ValueError, match="sampler_logit_precision"):
-        connect("offline", sampler_logit_precision=bad)
+        connect("offline", in_process=True, sampler_logit_precision=bad)

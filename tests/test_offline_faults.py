@@ -92,8 +92,8 @@ def workload(svc):
 
 
 def test_faulty_run_is_bit_identical_to_a_fault_free_run(tmp_path):
-    clean = connect("offline", latency=0.0, fault_rate=0.0, seed=1, home=tmp_path)
-    faulty = connect("offline", latency=0.0, fault_rate=0.3, seed=1, home=tmp_path)
+    clean = connect("offline", in_process=True, latency=0.0, fault_rate=0.0, seed=1, home=tmp_path)
+    faulty = connect("offline", in_process=True, latency=0.0, fault_rate=0.3, seed=1, home=tmp_path)
     clean_out, clean_params = workload(clean)
     faulty_out, faulty_params = workload(faulty)
     assert faulty_out == clean_out
@@ -118,8 +118,8 @@ def test_async_api_under_faults_matches_the_sync_fault_free_run(tmp_path):
         )
         return await fb, await opt, samples, await sampler.compute_logprobs_async(PROMPT)
 
-    clean = asyncio.run(main(connect("offline", latency=0.0, seed=4, home=tmp_path)))
-    faulty_svc = connect("offline", latency=0.001, fault_rate=0.4, seed=4, home=tmp_path)
+    clean = asyncio.run(main(connect("offline", in_process=True, latency=0.0, seed=4, home=tmp_path)))
+    faulty_svc = connect("offline", in_process=True, latency=0.001, fault_rate=0.4, seed=4, home=tmp_path)
     assert asyncio.run(main(faulty_svc)) == clean
     assert faulty_svc.usage().retries > 0
 
@@ -127,7 +127,7 @@ def test_async_api_under_faults_matches_the_sync_fault_free_run(tmp_path):
 def test_retry_time_grows_with_the_fault_rate(tmp_path):
     totals = []
     for rate in (0.0, 0.2, 0.5):
-        svc = connect("offline", latency=0.0, fault_rate=rate, seed=0, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.0, fault_rate=rate, seed=0, home=tmp_path)
         sampler = svc.create_sampling_client(MODEL)
         for i in range(40):
             params = trio.SamplingParams(max_tokens=2, seed=i)
@@ -145,7 +145,7 @@ def test_jitter_is_seeded_and_only_moves_time(tmp_path, pytrio_config):
     pytrio_config(retry_jitter_ratio=0.5)
 
     def run(seed):
-        svc = connect("offline", latency=0.0, fault_rate=0.5, seed=seed, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.0, fault_rate=0.5, seed=seed, home=tmp_path)
         tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=0)
         outs = [tc.forward_backward(DATA).result() for _ in range(12)]
         return svc.usage(), outs
@@ -207,19 +207,19 @@ def test_service_reads_pytrio_configuration_when_created(pytrio_config):
                   retry_max_delay_seconds=4.0, retry_jitter_ratio=0.0,
                   training_retry_timeout_seconds=20.0,
                   sampling_retry_timeout_seconds=30.0, control_retry_timeout_seconds=10.0)
-    svc = connect("offline", latency=0.0)
+    svc = connect("offline", in_process=True, latency=0.0)
     expected = RetrySettings(0.5, 3.0, 4.0, 0.0, 20.0, 30.0, 10.0)
     assert svc._runtime.retry_settings == expected
     # as in pytrio, the configuration is copied when the client is created
     pytrio_config(training_retry_timeout_seconds=99.0)
     assert svc._runtime.retry_settings.training_window == 20.0
-    assert connect("offline")._runtime.retry_settings.training_window == 99.0
+    assert connect("offline", in_process=True)._runtime.retry_settings.training_window == 99.0
 
 
 def test_small_windows_let_transient_faults_surface(tmp_path, pytrio_config):
     """As on the service, shrinking the windows makes a run fragile: faults outlast them."""
     pytrio_config(retry_initial_delay_seconds=1.0, sampling_retry_timeout_seconds=0.5)
-    svc = connect("offline", latency=0.0, fault_rate=0.5, seed=3, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.0, fault_rate=0.5, seed=3, home=tmp_path)
     sampler = svc.create_sampling_client(MODEL)
     outcomes = []
     for i in range(30):
@@ -238,7 +238,7 @@ def test_small_windows_let_transient_faults_surface(tmp_path, pytrio_config):
 # --------- outages
 def test_outage_surfaces_pytrio_error_for_sampling(tmp_path, pytrio_config):
     pytrio_config(sampling_retry_timeout_seconds=120.0)
-    svc = connect("offline", latency=0.0, outage_after=3, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.0, outage_after=3, home=tmp_path)
     sampler = svc.create_sampling_client(MODEL)  # request 0
     sp = trio.SamplingParams(max_tokens=4, seed=0)
     sampler.sample(PROMPT, sampling_params=sp).result()  # 1
@@ -260,7 +260,7 @@ def test_outage_surfaces_pytrio_error_for_sampling(tmp_path, pytrio_config):
 
 def test_outage_with_pytrio_default_windows_is_fast_in_real_time(tmp_path):
     assert configuration.training_retry_timeout_seconds == 15 * 60  # pytrio's default
-    svc = connect("offline", latency=0.01, outage_after=1, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.01, outage_after=1, home=tmp_path)
     tc = svc.create_lora_training_client(MODEL, rank=RANK)
     t0 = time.perf_counter()
     with pytest.raises(ActorEventSubmitError):
@@ -271,7 +271,7 @@ def test_outage_with_pytrio_default_windows_is_fast_in_real_time(tmp_path):
 
 def test_training_outage_breaks_the_client_nothing_queued_applies(tmp_path, pytrio_config):
     pytrio_config(training_retry_timeout_seconds=60.0)
-    svc = connect("offline", latency=0.0, outage_after=3, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.0, outage_after=3, home=tmp_path)
     tc = svc.create_lora_training_client(MODEL, rank=RANK, seed=1)  # request 0
     tc.forward_backward(DATA).result()  # 1
     tc.optim_step(HP).result()  # 2
@@ -309,7 +309,7 @@ def test_async_training_outage(tmp_path, pytrio_config):
     pytrio_config(training_retry_timeout_seconds=30.0)
 
     async def main():
-        svc = connect("offline", latency=0.0, outage_after=1, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.0, outage_after=1, home=tmp_path)
         tc = await svc.create_lora_training_client_async(MODEL, rank=RANK)
         fb = await tc.forward_backward_async(DATA)
         opt = await tc.optim_step_async(HP)
@@ -327,7 +327,7 @@ def test_async_training_outage(tmp_path, pytrio_config):
 
 def test_control_calls_fail_during_an_outage(tmp_path, pytrio_config):
     pytrio_config(control_retry_timeout_seconds=30.0)
-    svc = connect("offline", latency=0.0, outage_after=2, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.0, outage_after=2, home=tmp_path)
     tc = svc.create_lora_training_client(MODEL, rank=RANK)  # request 0
     # save_weights_and_get_sampling_client is two requests: the training event (1), then a
     # control call (2)
@@ -344,7 +344,7 @@ def test_control_calls_fail_during_an_outage(tmp_path, pytrio_config):
 
 
 def test_outage_from_the_first_request(tmp_path):
-    svc = connect("offline", latency=0.0, outage_after=0, retry_time_scale=0.0,
+    svc = connect("offline", in_process=True, latency=0.0, outage_after=0, retry_time_scale=0.0,
                   home=tmp_path)
     t0 = time.perf_counter()
     with pytest.raises(ControlAPIError):
@@ -354,7 +354,7 @@ def test_outage_from_the_first_request(tmp_path):
 
 
 def test_validation_errors_are_not_requests(tmp_path):
-    svc = connect("offline", latency=0.0, outage_after=0, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.0, outage_after=0, home=tmp_path)
     with pytest.raises(ValidationError):
         svc.create_lora_training_client(MODEL, rank=2)
     assert svc.usage().requests == 0
@@ -365,25 +365,25 @@ def test_validation_errors_are_not_requests(tmp_path):
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), True])
 def test_fault_rate_bounds(bad):
     with pytest.raises(ValueError, match="fault_rate"):
-        connect("offline", fault_rate=bad)
+        connect("offline", in_process=True, fault_rate=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
 def test_outage_after_must_be_a_request_index(bad):
     with pytest.raises(ValueError, match="outage_after"):
-        connect("offline", outage_after=bad)
+        connect("offline", in_process=True, outage_after=bad)
 
 
 @pytest.mark.parametrize("bad", [-0.001, 2.0, float("nan"), "fast"])
 def test_retry_time_scale_bounds(bad):
     with pytest.raises(ValueError, match="retry_time_scale"):
-        connect("offline", retry_time_scale=bad)
+        connect("offline", in_process=True, retry_time_scale=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, float("inf"), float("nan")])
 def test_latency_must_be_finite_and_non_negative(bad):
     with pytest.raises(ValueError, match="latency"):
-        connect("offline", latency=bad)
+        connect("offline", in_process=True, latency=bad)
 
 
 def test_error_messages_are_one_line():
@@ -391,5 +391,5 @@ def test_error_messages_are_one_line():
            {"latency": -1})
     for kwargs in bad:
         with pytest.raises(ValueError) as info:
-            connect("offline", **kwargs)
+            connect("offline", in_process=True, **kwargs)
         assert "\n" not in str(info.value)

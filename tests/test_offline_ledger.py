@@ -63,7 +63,7 @@ def only(usage: Usage) -> dict[str, float]:
 
 @pytest.fixture
 def svc(tmp_path):
-    return connect("offline", latency=0.0, home=tmp_path)
+    return connect("offline", in_process=True, latency=0.0, home=tmp_path)
 
 
 # ------------------------------------------------------------------------- exact counts
@@ -132,7 +132,7 @@ def test_checkpoint_and_client_counts(svc):
 
 
 def test_simulated_seconds_are_latency_per_request(tmp_path):
-    svc = connect("offline", latency=0.01, home=tmp_path)
+    svc = connect("offline", in_process=True, latency=0.01, home=tmp_path)
     sampler = svc.create_sampling_client(MODEL)
     for i in range(4):
         sampler.compute_logprobs(PROMPT).result()
@@ -145,7 +145,7 @@ def test_simulated_seconds_are_latency_per_request(tmp_path):
 # ------------------------------------------------------------------- retries and failures
 def test_retried_requests_count_their_work_once(tmp_path):
     def run(fault_rate):
-        svc = connect("offline", latency=0.0, fault_rate=fault_rate, seed=5, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.0, fault_rate=fault_rate, seed=5, home=tmp_path)
         tc = svc.create_lora_training_client(MODEL, rank=RANK)
         sampler = tc.save_weights_and_get_sampling_client()
         for i in range(6):
@@ -175,7 +175,7 @@ def test_failed_and_refused_requests_count_no_work(tmp_path):
     saved = {k: getattr(configuration, k) for k in pytrio_windows}
     trio.configure(**pytrio_windows)
     try:
-        svc = connect("offline", latency=0.0, outage_after=2, home=tmp_path)
+        svc = connect("offline", in_process=True, latency=0.0, outage_after=2, home=tmp_path)
     finally:
         trio.configure(**saved)
     tc = svc.create_lora_training_client(MODEL, rank=RANK)  # 0

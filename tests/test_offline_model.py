@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    return connect("offline", latency=0.0, home=tmp_path_factory.mktemp("offline_home"))
+    return connect("offline", in_process=True, latency=0.0, home=tmp_path_factory.mktemp("offline_home"))
 
 
 @pytest.fixture(scope="module")
@@ -877,7 +877,7 @@ def test_state_round_trip_with_and_without_optimizer(svc):
 
 def test_checkpoints_work_across_processes(svc, tok, tmp_path):
     home = tmp_path / "shared_home"
-    parent = connect("offline", latency=0.0, home=home)
+    parent = connect("offline", in_process=True, latency=0.0, home=home)
     tc = trained_client(parent)
     weights = tc.save_weights_for_sampler("xproc").result().path
     state = tc.save_state("xproc").result().path
@@ -890,7 +890,7 @@ def test_checkpoints_work_across_processes(svc, tok, tmp_path):
     code = f"""
 import json, pytrio as trio
 from trio_helpers import connect
-svc = connect("offline", latency=0.0)
+svc = connect("offline", in_process=True, latency=0.0)
 sc = svc.create_sampling_client({MODEL!r}, model_path={weights!r})
 lp = sc.compute_logprobs(trio.ModelInput.from_ints({prompt!r})).result()[1:]
 tc = svc.create_training_client_from_state_with_optimizer({state!r})
@@ -968,7 +968,7 @@ def test_load_state_rejects_another_rank(svc):
 
 # ------------------------------------------------------------------------------------ a GRPO loop, plain pytrio
 def test_grpo_loop_with_plain_pytrio_calls(tmp_path):
-    service_client = connect("offline", latency=0.0, home=tmp_path)
+    service_client = connect("offline", in_process=True, latency=0.0, home=tmp_path)
     training_client = service_client.create_lora_training_client(MODEL, rank=8, seed=0)
     tokenizer = training_client.get_tokenizer()
     questions = ["What is 3 + 4?", "How many legs do 2 cats have?"]

@@ -1,7 +1,7 @@
 """pytrio's own client against the offline server (``trio_helpers.offline.server``), over 127.0.0.1.
 
 Every call the book uses goes through pytrio 0.2.9's unmodified ``ServiceClient`` and must give the same numbers as
-the in-process offline backend (``connect("offline")``) with the same seeds: sampled tokens and logprobs, prompt
+the in-process offline backend (``connect("offline", in_process=True)``) with the same seeds: sampled tokens and logprobs, prompt
 and top-k prompt logprobs, ``compute_logprobs``, every loss, optimizer metrics, checkpoints and the final weights.
 Seeded 503 faults (before and after the work) are retried by pytrio itself and change nothing; a re-sent event is
 answered 409 ``event_exists`` and runs once. A subprocess runs a plain pytrio script against
@@ -167,7 +167,7 @@ def server(home) -> OfflineServer:
 
 @pytest.fixture(scope="module")
 def reference(home) -> list:
-    local = connect("offline", latency=0.0, home=home)
+    local = connect("offline", in_process=True, latency=0.0, home=home)
     return workload(local, local_adapter)
 
 
@@ -179,7 +179,7 @@ def test_every_call_matches_the_in_process_backend(server, reference):
 
 
 def test_async_variants_match(server, home):
-    local = connect("offline", latency=0.0, home=home)
+    local = connect("offline", in_process=True, latency=0.0, home=home)
     expected = asyncio.run(workload_async(local, local_adapter))
     svc = service_client(server, **FAST)
     assert asyncio.run(workload_async(svc, server_adapter(server))) == expected
@@ -193,6 +193,26 @@ def test_faults_before_and_after_the_work_change_nothing(home, reference):
     assert stats["faults_before"] > 0 and stats["faults_after"] > 0, stats
     assert stats["event_exists"] > 0, stats  # a submit answered 503 after its work was re-sent: 409, not re-run
     assert set(faulty.executions().values()) == {1}
+
+
+def test_latency_delays_each_request_the_ledger_counts_and_nothing_else(home, monkeypatch):
+    """``latency`` is the in-process backend's: each request a program makes waits it (runs created, training
+    events, samples), not pytrio's own session, init_run, poll and heartbeat requests."""
+    import types
+
+    import trio_helpers.offline.server as server_module
+
+    slept = []
+    monkeypatch.setattr(server_module, "time", types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    slow = OfflineServer(options=OfflineOptions(latency=0.25, home=home)).start()
+    svc = service_client(slow, **FAST)
+    tc = svc.create_lora_training_client("offline/tiny", rank=8, seed=0)
+    sampler = tc.save_weights_and_get_sampling_client()
+    sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=2,
+                   sampling_params=trio.SamplingParams(max_tokens=3, seed=0)).result()
+    # a training run, a save_weights event, a sampling run and a sample; pytrio sent more requests than that
+    assert slow.stats["new_requests"] == 4 and slept == [0.25] * 4
+    assert sum(slow._attempts.values()) > 8  # the session, init_run, polls, ...: every request the server saw
 
 
 def test_an_outage_surfaces_pytrio_errors_within_the_window(home):
@@ -315,7 +335,7 @@ def test_the_exact_reverse_kl_reads_the_servers_models(server, home):
     from trio_helpers.offline.server import sampler_model
 
     teacher_model = "Qwen/Qwen3.6-27B"
-    local = connect("offline", latency=0.0, home=home)
+    local = connect("offline", in_process=True, latency=0.0, home=home)
     svc = service_client(server, **FAST)
     prompts = [PROMPT, trio.ModelInput.from_ints(list(b"The answer is"))]
     kl = {name: exact_reverse_kl_offline(s.create_sampling_client(MODEL), s.create_sampling_client(teacher_model),

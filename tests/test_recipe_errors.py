@@ -159,28 +159,37 @@ def test_ctrl_c_before_the_first_state_does_not_print_a_resume_command(monkeypat
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_temperature_is_refused_by_the_offline_service(value) -> None:
     import pytrio as trio
+    from pytrio.errors.actor import ActorAPIError
     from pytrio.errors.base import ValidationError
 
     from trio_helpers import connect
 
-    sampler = connect("offline", latency=0.0).create_sampling_client("offline/tiny")
+    params = trio.SamplingParams(max_tokens=4, temperature=value)
+    sampler = connect("offline", latency=0.0, in_process=True).create_sampling_client("offline/tiny")
     with pytest.raises(ValidationError, match="need a finite temperature"):
-        sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=5,
-                       sampling_params=trio.SamplingParams(max_tokens=4, temperature=value)).result()
+        sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=5, sampling_params=params).result()
+    # through pytrio's client the value travels as JSON (where it has no finite spelling): the server refuses it,
+    # and pytrio raises its own error for a refused sampling request
+    sampler = connect("offline", latency=0.0).create_sampling_client("offline/tiny")
+    with pytest.raises(ActorAPIError, match="temperature") as info:
+        sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=5, sampling_params=params).result()
+    assert info.value.code.startswith("validation.")
 
 
 def test_max_tokens_beyond_the_sequence_limit_is_refused_everywhere(capsys) -> None:
     import pytrio as trio
+    from pytrio.errors.actor import ActorAPIError
     from pytrio.errors.base import ValidationError
 
     from trio_helpers import connect
     from trio_helpers.offline.service import MAX_SEQ_LEN
 
     assert loop.MAX_SEQ_LEN == MAX_SEQ_LEN
-    sampler = connect("offline", latency=0.0).create_sampling_client("offline/tiny")
-    with pytest.raises(ValidationError, match="exceeds the model's max_seq_len 8192"):
-        sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=1,
-                       sampling_params=trio.SamplingParams(max_tokens=1_000_000_000)).result()
+    params = trio.SamplingParams(max_tokens=1_000_000_000)
+    for in_process, error in ((True, ValidationError), (False, ActorAPIError)):
+        sampler = connect("offline", latency=0.0, in_process=in_process).create_sampling_client("offline/tiny")
+        with pytest.raises(error, match="exceeds the model's max_seq_len 8192"):
+            sampler.sample(trio.ModelInput.from_ints([1, 2, 3]), num_samples=1, sampling_params=params).result()
     for module in (grpo_recipe, evaluate_recipe):
         with pytest.raises(SystemExit) as info:
             module.main(["--backend", "offline", "--max-tokens", "1000000000",

@@ -18,6 +18,7 @@ from pytrio.errors.actor import ActorAPIError
 from pytrio.errors.base import PyTrioError, ValidationError
 
 from trio_helpers import connect
+from trio_helpers.backend import usage_of
 from trio_helpers.data import load_gsm8k
 from trio_helpers.grpo import GRPOConfig, run_grpo
 from trio_helpers.loop import TIMING_PREFIX
@@ -173,7 +174,7 @@ def test_offline_faults_are_retried_inside_the_client_and_never_reach_user_code(
     recorder = InFlight()
     got = run_sync(sample_groups_async(faulty.create_sampling_client(TINY), prompts(16), 3, params_for,
                                        retries=None, on_event=recorder, progress=False))
-    assert faulty.usage().retries > 0  # faults did happen ...
+    assert usage_of(faulty).retries > 0  # faults did happen (pytrio's client retried them) ...
     assert recorder.count("error") == 0 and recorder.count("start") == 16  # ... and none reached this code
     assert tokens(got) == tokens(expected)  # the fault-free samples, exactly
 
@@ -359,10 +360,10 @@ def test_the_loop_retries_failed_sampling_and_matches_a_clean_run(tmp_path, monk
     for rollout in ("sync", "async", "pipeline"):
         config = GRPOConfig(**{**base.__dict__, "rollout": rollout})
         monkeypatch.setattr(OfflineSamplingClient, "sample_async", original)
-        clean = run_grpo(connect("offline", latency=0.0, home=tmp_path), RECORDS, config, reward_fn=reward)
+        clean = run_grpo(connect("offline", latency=0.0, home=tmp_path, in_process=True), RECORDS, config, reward_fn=reward)
         monkeypatch.setattr(OfflineSamplingClient, "sample_async", fails_once)
         failed.clear()
-        faulty = run_grpo(connect("offline", latency=0.0, home=tmp_path), RECORDS, config, reward_fn=reward,
+        faulty = run_grpo(connect("offline", latency=0.0, home=tmp_path, in_process=True), RECORDS, config, reward_fn=reward,
                           retries=FAST)
         assert len(failed) == config.steps * config.batch_size, rollout
         assert without_timing(faulty.history) == without_timing(clean.history), rollout

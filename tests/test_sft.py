@@ -12,10 +12,11 @@ import json
 import numpy as np
 import pytest
 from pytrio.client.training_batch import plan_training_batch
-from pytrio.errors.base import ValidationError
+from pytrio.errors.base import PyTrioError
 from pytrio.model.limits import TrainingLimits
 
 from trio_helpers import connect
+from trio_helpers.backend import usage_of
 from trio_helpers.grpo import GRPOConfig, run_grpo
 from trio_helpers.prompts import build_prompt, gsm8k_messages
 from trio_helpers.recipes import grpo as recipe
@@ -137,7 +138,7 @@ def test_run_sft_lowers_the_loss_on_the_demonstrations(service, tokenizer) -> No
     assert losses[-1] < 0.9 * losses[0]
     after = client.forward(data, "cross_entropy").result().metrics["loss_mean"]
     assert after < losses[-1]  # the last step's update helped too
-    assert service.usage().optim_steps == 6
+    assert usage_of(service).optim_steps == 6
 
 
 def test_run_sft_batches_wrap_around_and_wait_for_forward_backward() -> None:
@@ -205,11 +206,13 @@ def test_negative_or_non_finite_coefficients_are_refused() -> None:
 def test_a_reference_trained_from_another_base_is_refused_before_any_request(service, tmp_path) -> None:
     other = service.create_lora_training_client(TINY, rank=8, seed=0)
     path = other.save_weights_for_sampler("tiny-ref").result().path
-    before = service.usage()
+    before = usage_of(service)
     config = _kl_config(base_model="Qwen/Qwen3.5-4B", ref_model_path=path, run_dir="runs/mismatch")
-    with pytest.raises(ValidationError, match="was trained from 'offline/tiny', not 'Qwen/Qwen3.5-4B'"):
+    # pytrio raises the service's refusal as its ControlAPIError (a PyTrioError, like ValidationError)
+    with pytest.raises(PyTrioError, match="was trained from 'offline/tiny', not 'Qwen/Qwen3.5-4B'") as info:
         run_grpo(service, RECORDS, config)
-    spent = service.usage() - before
+    assert info.value.code == "validation.checkpoint_model_mismatch"
+    spent = usage_of(service) - before
     assert (spent.requests, spent.training_runs, spent.sampling_runs) == (0, 0, 0)
     assert not (tmp_path / "runs" / "mismatch").exists()
 
@@ -223,9 +226,9 @@ def test_a_reference_from_the_same_base_is_accepted(service) -> None:
 
 def test_skipped_degenerate_groups_cost_no_reference_requests(service) -> None:
     # The random tiny model never writes a right answer: every group is degenerate and skipped.
-    before = service.usage()
+    before = usage_of(service)
     skipped = run_grpo(service, RECORDS, _kl_config())
-    assert (service.usage() - before).logprob_tokens == 0  # no datums, so no reference logprobs
+    assert (usage_of(service) - before).logprob_tokens == 0  # no datums, so no reference logprobs
     assert all("kl/ref_mean" not in row for row in skipped.history)
 
 
@@ -233,12 +236,12 @@ def test_the_penalty_starts_at_zero_and_grows_as_the_policy_moves(service) -> No
     def odd_bytes(text: str, record: dict) -> float:  # random text: a reward that differs within groups
         return float(sum(text.encode()) % 2)
 
-    before = service.usage()
+    before = usage_of(service)
     config = _kl_config(learning_rate=1e-2, max_tokens=16, group_size=4, steps=3)
     run = run_grpo(service, RECORDS, config, reward_fn=odd_bytes)
     trained = [row for row in run.history if row["train/datums"] > 0]
     assert trained[0]["step"] == 0 and len(trained) >= 2
-    assert (service.usage() - before).logprob_tokens > 0
+    assert (usage_of(service) - before).logprob_tokens > 0
     assert all("kl/ref_mean" in row for row in trained)
     assert abs(trained[0]["kl/ref_mean"]) < 1e-12  # a fresh adapter samples like the reference
     assert all(abs(row["kl/ref_mean"]) > 1e-6 for row in trained[1:])  # later, the policy has moved

@@ -38,7 +38,7 @@ REMOTE_TIMEOUTS = {
 _ACTIVE: str | None = None  # the backend the last connect() returned: "offline", "remote" or None
 _OFFLINE_LEDGERS: list = []  # the usage ledgers of the offline services connect() created (small; no threads)
 
-# pytrio's retries against connect("offline", server=True): its first delay, growth, longest delay and retry
+# pytrio's retries against connect("offline"): its first delay, growth, longest delay and retry
 # windows (the service's defaults: 1 s doubling to 30 s, 900-s windows), so a fault costs milliseconds and an
 # outage surfaces within seconds; jitter off, so runs take the same path every time.
 OFFLINE_SERVER_RETRIES = dict(retry_initial_delay_seconds=0.01, retry_multiplier=2.0, retry_max_delay_seconds=0.2,
@@ -125,7 +125,7 @@ def offline_usages() -> list:
 
 def usage_of(service):
     """The offline ledger (``Usage``) of ``service``: an in-process offline client's ``usage()``, or the ledger
-    of the offline server behind a pytrio client that ``connect("offline", server=True)`` returned; None for a
+    of the offline server behind a pytrio client that ``connect("offline")`` returned; None for a
     client of the real service (which reports no usage: see your account's usage page).
 
     Introduced in: chapter 04 (notebooks/04_grpo_sync).
@@ -214,17 +214,20 @@ def probe_remote(verify=None, timeouts: dict | None = None) -> float:
     return time.monotonic() - started
 
 
-def connect(backend: str | None = None, *, server: bool = False, **options):
-    """Return a service client: ``pytrio.ServiceClient`` (remote) or the offline backend's twin.
+def connect(backend: str | None = None, *, in_process: bool = False, **options):
+    """Return a service client: ``pytrio.ServiceClient``, for the real service or for the offline backend.
 
     Args:
         backend: ``"offline"``, ``"remote"`` or ``"auto"``; default: the ``TRIO_BACKEND`` environment variable,
             else ``"auto"``. ``auto`` picks remote when pytrio finds a credential (``trio login`` or
             ``PYTRIO_API_KEY``), otherwise offline, and prints one line saying which and how to switch.
-        server: offline only: serve the offline backend on 127.0.0.1 (``trio_helpers.offline.server``, a fresh
-            server in a daemon thread) and return pytrio's own ``ServiceClient`` for it, so every call goes through
-            pytrio's transport, retries and validation; pytrio's retry delays and windows are shortened to
-            :data:`OFFLINE_SERVER_RETRIES` for it. :func:`usage_of` reads its ledger. The recipes use it.
+        in_process: offline only. By default the offline backend is served on 127.0.0.1
+            (``trio_helpers.offline.server``, a fresh server in a daemon thread) and the client is pytrio's own
+            ``ServiceClient`` for it, so every call goes through pytrio's transport, retries and validation, with
+            pytrio's retry delays and windows shortened to :data:`OFFLINE_SERVER_RETRIES`. ``in_process=True``
+            returns the offline engine's in-process client instead: the same numbers without pytrio's transport
+            (about 2 ms of client CPU per request less), for the toy sweeps of chapters 8-11, which make thousands
+            of requests. :func:`usage_of` reads either one's ledger.
         **options: offline: ``latency``, ``fault_rate``, ``seed``, ``home`` (see ``OfflineOptions``).
             remote: any ``pytrio.configure`` keyword (e.g. ``training_retry_timeout_seconds``), applied before
             the client is created; without any, the client keeps pytrio's default retry windows.
@@ -254,20 +257,21 @@ def connect(backend: str | None = None, *, server: bool = False, **options):
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise ValueError(f"offline backend options are {sorted(allowed)}; got unknown {unknown}")
-        if server:
+        if in_process:
+            client = OfflineServiceClient(OfflineOptions(**options))
+            ledger = client._runtime.ledger
+        else:
             from trio_helpers.offline.server import OfflineServer, service_client
 
             served = OfflineServer(options=OfflineOptions(**options)).start()
             client = service_client(served, **OFFLINE_SERVER_RETRIES)
             ledger = served._runtime.ledger
-        else:
-            client = OfflineServiceClient(OfflineOptions(**options))
-            ledger = client._runtime.ledger
         _ACTIVE = "offline"
         _OFFLINE_LEDGERS.append(ledger)
         return client
-    if server:
-        raise ValueError("server=True serves the offline backend; it cannot be combined with the remote backend")
+    if in_process:
+        raise ValueError("in_process=True is an option of the offline backend; the remote backend has no in-process "
+                         "client (drop in_process, or use connect('offline', in_process=True))")
     import pytrio as trio
 
     if not has_pytrio_credentials():

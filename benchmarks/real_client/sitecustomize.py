@@ -1,11 +1,14 @@
-"""Benchmark only (issue 23's question: what would the chapters cost through pytrio's own client?).
+"""Benchmark and check only: run a chapter's in-process services through pytrio's own client.
 
-``python benchmarks/bench_exact_cost.py --variant real-client`` puts this directory first on the path of one of its
-two runs: there ``trio_helpers.connect("offline", ...)`` is ``connect("offline", server=True, ...)``, which starts
-a loopback server (``trio_helpers.offline.server``) with the same options and returns pytrio's unmodified
-``ServiceClient`` for it, so every request of a chapter goes through pytrio's transport, msgpack/JSON and HTTP on
-127.0.0.1. Chapters that call the in-process backend's extras (``service.usage()``, the exact reverse KL) fail
-those cells; the time of every cell still counts. Never used by the book, the tests or the package.
+Chapters 8-11 ask for the offline engine in-process (``connect("offline", ..., in_process=True)``) because their
+toy sweeps make thousands of requests. With this directory first on the path, ``trio_helpers.connect`` ignores
+``in_process``, so every service is pytrio's unmodified ``ServiceClient`` for a loopback offline server
+(``trio_helpers.offline.server``) with the same options. Two uses:
+
+- ``python benchmarks/bench_exact_cost.py --variant real-client``: what those chapters would cost through pytrio;
+- strict nbval of a chapter with ``PYTHONPATH=benchmarks/real_client``: the same outputs through pytrio's client.
+
+Never used by the book, the tests or the package.
 """
 
 import trio_helpers.backend as _backend
@@ -13,10 +16,8 @@ import trio_helpers.backend as _backend
 _original = _backend.connect
 
 
-def _connect(backend=None, **options):
-    if _backend.resolve_backend(_backend._requested(backend)) != "offline":
-        return _original(backend, **options)
-    return _original(backend, server=True, **options)
+def _connect(backend=None, *, in_process=False, **options):
+    return _original(backend, **options)
 
 
 _backend.connect = _connect

@@ -76,7 +76,8 @@ from trio_helpers.offline.ledger import Usage
 from trio_helpers.offline.losses import resolve_loss_config
 from trio_helpers.offline.model import Adapter, TinyLM
 from trio_helpers.offline.service import (MAX_SEQ_LEN, OfflineOptions, OfflineSamplingClient, OfflineServiceClient,
-                                          OfflineTrainingClient, _account, _adapter_from, _load_checkpoint, _stop_spec)
+                                          OfflineTrainingClient, _account, _adapter_from, _load_checkpoint, _stop_spec,
+                                          check_sampling_request)
 from trio_helpers.offline.tokenizer import get_offline_tokenizer
 
 # The placeholder credential of the book's own 127.0.0.1 server; the server accepts nothing else. It is never a
@@ -139,7 +140,8 @@ class OfflineServer:
         port: TCP port on 127.0.0.1 (0: a free one).
         options: the offline backend's options (``home`` for checkpoints, ``seed``,
             ``sampler_logit_precision``); its ``latency``, ``fault_rate`` and ``outage_after`` are the
-            server's: each request waits ``latency`` seconds, then may be answered 503.
+            server's: each attempt of a request the ledger counts (runs created, training events, samples)
+            waits ``latency`` seconds; any attempt may be answered 503.
         fault_after_share: of the faulted attempts, the share answered 503 *after* their work (the rest before).
     """
 
@@ -162,6 +164,10 @@ class OfflineServer:
         self._temporary: dict[str, tuple[Adapter, dict]] = {}
         self._attempts: Counter = Counter()
         self._occurrences: Counter = Counter()
+        # checkpoint URIs hold random parts (pytrio's temp-sampling names, the offline run ids); a URI this server
+        # wrote is known by what made it instead (training run, event index), so faults and default seeds that
+        # depend on a request's content are the same in every run
+        self._identities: dict[str, str] = {}
         self._new_requests = itertools.count()
         self._ids = itertools.count(1)
         self.outage = False
@@ -204,14 +210,31 @@ class OfflineServer:
             return {eid: e.executions for eid, e in self._events.items()}
 
     # --- faults -----------------------------------------------------------------------------------------------
-    def fault(self, key: tuple, new_request: bool) -> str | None:
+    def stable(self, text: str) -> str:
+        """``text`` with every checkpoint URI this server wrote replaced by what made it (see ``_identities``)."""
+        with self._lock:
+            known = list(self._identities.items())
+        for uri, identity in known:
+            if uri in text:
+                text = text.replace(uri, identity)
+        return text
+
+    def fault(self, key: tuple, new_request: bool, may_fail: bool = True) -> str | None:
         """``"before"``, ``"after"`` or None for one attempt of the request identified by ``key``.
 
         ``new_request``: a request the ledger counts (the calls a program makes: runs created, events, samples),
         numbered in order of arrival for ``outage_after``, as the in-process backend numbers them. pytrio's own
         requests (its session, the lazy ``trainer.init_run``, renewals, polls, heartbeats) are not numbered,
-        but fail like the others once an outage has begun.
+        but fail like the others once an outage has begun. Each attempt of a counted request first waits the
+        simulated ``latency`` (as each request of the in-process backend does); pytrio's own requests do not.
+
+        ``may_fail``: whether ``fault_rate`` applies (training events and samples, and the control calls that
+        create or rebind runs). pytrio's polls, heartbeats and session calls fail only in an outage: their number
+        depends on timing, so their faults would make the ledger's retries differ between runs. ``key`` holds
+        what identifies the request, never a random id, so the same seed faults the same attempts.
         """
+        if new_request and self.options.latency:
+            time.sleep(self.options.latency)
         with self._lock:
             attempt = self._attempts[key]
             self._attempts[key] += 1
@@ -225,7 +248,7 @@ class OfflineServer:
                 _account((self._runtime.ledger,), {"retries": 1})
                 return "before"
         seed = self.options.seed
-        if self.options.fault_rate and _unit(seed, "fault", key, attempt) < self.options.fault_rate:
+        if may_fail and self.options.fault_rate and _unit(seed, "fault", key, attempt) < self.options.fault_rate:
             when = "after" if _unit(seed, "when", key, attempt) < self.fault_after_share else "before"
             self.stats[f"faults_{when}"] += 1
             _account((self._runtime.ledger,), {"retries": 1})  # the ledger's retries: attempts answered 503
@@ -443,11 +466,14 @@ class OfflineServer:
                 meta = {"base_model": tc.base_model, "rank": tc.rank, "seed": tc.seed}
                 with self._lock:
                     self._temporary[uri] = (adapter, meta)
+                    self._identities[uri] = f"{run.cuid}@{envelope.metadata.index}"
                 size = sum(p.nbytes for p in adapter.params().values())
                 counts["sampler_snapshots"] = 1
             else:
                 uri, size = tc._write("state" if state else "weights", payload.name, with_optimizer=state,
                                       overwrite=payload.overwrite or not state)
+                with self._lock:
+                    self._identities[uri] = f"{run.cuid}@{envelope.metadata.index}"
                 counts["states_saved" if state else "sampler_weights_saved"] = 1
             result = TrainerSaveResult(checkpoint=TrainerCheckpointResult(uri=uri, model_id=tc.base_model,
                                                                           size_bytes=size)).model_dump()
@@ -501,10 +527,7 @@ class OfflineServer:
         params = dict(request.sampling_params)
         stop = params.pop("stop", None) or params.pop("stop_token_ids", None)
         sp = SamplingParams(**params, stop=stop)
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k == 0:
-            raise ValidationError("invalid sampling parameters: need temperature >= 0, 0 < top_p <= 1 and "
-                                  f"top_k = -1 or >= 1 (got {sp.temperature}, {sp.top_p}, {sp.top_k})",
-                                  code="validation.invalid_sampling_request")
+        check_sampling_request(tokens, request.num_samples, sp, request.topk_prompt_logprobs)
         _stop_spec(sp.stop)
         seed = sp.seed if sp.seed is not None else self._default_seed(run, request)
         logprobs_only = (request.return_prompt_logprobs and request.num_samples == 1 and sp.max_tokens == 1
@@ -534,7 +557,8 @@ class OfflineServer:
     def _default_seed(self, run: _Run, request: SampleRequest) -> int:
         """A seed for a request without one, from what identifies it (content and occurrence), never from
         arrival order."""
-        content = (run.request.source_checkpoint_uri, run.base_model, request.prompt.model_dump(mode="json"),
+        content = (self.stable(run.request.source_checkpoint_uri or ""), run.base_model,
+                   request.prompt.model_dump(mode="json"),
                    request.sampling_params, request.num_samples)
         with self._lock:
             occurrence = self._occurrences[repr(content)]
@@ -634,8 +658,6 @@ class _Handler(BaseHTTPRequestHandler):
         path, query = url.path, parse_qs(url.query)
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
-            if srv.options.latency:
-                time.sleep(srv.options.latency)
             if path.startswith("/api/"):
                 if self.headers.get("X-API-Key") != OFFLINE_API_KEY:
                     raise HTTPError(401, "auth.invalid_api_key", "this offline server accepts only its own key")
@@ -643,7 +665,7 @@ class _Handler(BaseHTTPRequestHandler):
                 counted = (method == "PATCH" or method == "POST" and path.endswith(("/training-runs",
                                                                                     "/sampling-runs")))
                 fault = None if path == "/api/telemetry/event" else srv.fault(
-                    ("control", method, path, raw), new_request=counted)
+                    ("control", method, path, srv.stable(raw.decode())), new_request=counted, may_fail=counted)
                 if fault:  # control calls fail before their work: a created-then-503 run would be a duplicate
                     raise srv.unavailable()
                 self._json(200, srv.control(method, path[len("/api/"):], query, body))
@@ -660,20 +682,21 @@ class _Handler(BaseHTTPRequestHandler):
                     raise srv.unavailable()
                 self._msgpack(srv.submit_event(envelope, fault))
             elif method == "GET" and (m := re.fullmatch(r"/v1/events/([^/]+)", path)):
-                if srv.fault(("poll", m[1]), new_request=False):
+                if srv.fault(("poll", m[1]), new_request=False, may_fail=False):
                     raise srv.unavailable()
                 prefer = re.search(r"wait=(\d+)", self.headers.get("Prefer") or "")
                 # answer before the client's own timeout (which is the same number of seconds)
                 wait = 0.8 * int(prefer[1]) if prefer else 0.0
                 self._msgpack(srv.get_event(m[1], wait))
             elif method == "POST" and path == "/v1/client/heartbeat":
-                if srv.fault(("heartbeat", run.cuid, run.heartbeats), new_request=False):
+                if srv.fault(("heartbeat", run.cuid), new_request=False, may_fail=False):
                     raise srv.unavailable()
                 self._json(200, srv.heartbeat(run))
             elif method == "POST" and (m := re.fullmatch(r"/v1/sampling-runs/([^/]+)/sample", path)):
                 request = SampleRequest.model_validate(json.loads(raw))
-                key = ("sample", m[1], hashlib.sha256(raw.replace(request.request_id.encode(), b"")).hexdigest(),
-                       request.request_id)
+                # what the request asks for, without pytrio's random request id: identical requests share the
+                # key, and each attempt draws the next number of its sequence (the same total, whatever the order)
+                key = ("sample", m[1], hashlib.sha256(raw.replace(request.request_id.encode(), b"")).hexdigest())
                 fault = srv.fault(key, new_request=True)
                 if fault == "before":
                     raise srv.unavailable()

@@ -924,30 +924,7 @@ class OfflineSamplingClient:
         tokens = self._validate_prompt(prompt)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a pytrio.SamplingParams, got {type(sampling_params).__name__}")
-        if sampling_params.max_tokens is None or sampling_params.max_tokens <= 0:
-            raise ValidationError(
-                "sampling_params.max_tokens must be greater than 0", code="validation.invalid_sampling_request"
-            )
-        if num_samples < 1 or topk_prompt_logprobs_invalid(topk):
-            raise ValidationError(
-                f"num_samples must be >= 1 and topk_prompt_logprobs >= 0 (got {num_samples}, {topk})",
-                code="validation.invalid_sampling_request",
-            )
-        if len(tokens) + sampling_params.max_tokens > MAX_SEQ_LEN:
-            raise ValidationError(
-                f"prompt ({len(tokens)} tokens) + sampling_params.max_tokens ({sampling_params.max_tokens}) exceeds "
-                f"the model's max_seq_len {MAX_SEQ_LEN}; lower max_tokens",
-                code="validation.invalid_sampling_request",
-            )
-        if not all(math.isfinite(v) for v in (sampling_params.temperature, sampling_params.top_p)) \
-                or sampling_params.temperature < 0 or not 0 < sampling_params.top_p <= 1 \
-                or sampling_params.top_k == 0:
-            raise ValidationError(
-                "invalid sampling parameters: need a finite temperature >= 0, 0 < top_p <= 1 and top_k = -1 or >= 1 "
-                f"(got temperature={sampling_params.temperature}, top_p={sampling_params.top_p}, "
-                f"top_k={sampling_params.top_k})",
-                code="validation.invalid_sampling_request",
-            )
+        check_sampling_request(tokens, num_samples, sampling_params, topk)
         _stop_spec(sampling_params.stop)
         seed = sampling_params.seed
         if seed is None:
@@ -1015,6 +992,39 @@ def _token_counts(data: list[Datum], plan, kind: str) -> dict[str, int]:
     """Model-input tokens of a training call, and the active ones (as pytrio's planner)."""
     return {f"{kind}_tokens": sum(d.model_input.length for d in data),
             f"{kind}_active_tokens": int(plan.totals.total_active_tokens)}
+
+
+def check_sampling_request(tokens: list[int], num_samples: int, sampling_params: SamplingParams, topk: int) -> None:
+    """The offline backend's checks of a sampling request (in-process and on the offline server alike).
+
+    Raises:
+        ValidationError: ``max_tokens`` not positive, ``num_samples`` or ``topk`` out of range, a prompt plus
+            ``max_tokens`` beyond ``MAX_SEQ_LEN``, or a temperature, top-p or top-k that no sampler accepts.
+    """
+    if sampling_params.max_tokens is None or sampling_params.max_tokens <= 0:
+        raise ValidationError(
+            "sampling_params.max_tokens must be greater than 0", code="validation.invalid_sampling_request"
+        )
+    if num_samples < 1 or topk_prompt_logprobs_invalid(topk):
+        raise ValidationError(
+            f"num_samples must be >= 1 and topk_prompt_logprobs >= 0 (got {num_samples}, {topk})",
+            code="validation.invalid_sampling_request",
+        )
+    if len(tokens) + sampling_params.max_tokens > MAX_SEQ_LEN:
+        raise ValidationError(
+            f"prompt ({len(tokens)} tokens) + sampling_params.max_tokens ({sampling_params.max_tokens}) exceeds "
+            f"the model's max_seq_len {MAX_SEQ_LEN}; lower max_tokens",
+            code="validation.invalid_sampling_request",
+        )
+    if not all(math.isfinite(v) for v in (sampling_params.temperature, sampling_params.top_p)) \
+            or sampling_params.temperature < 0 or not 0 < sampling_params.top_p <= 1 \
+            or sampling_params.top_k == 0:
+        raise ValidationError(
+            "invalid sampling parameters: need a finite temperature >= 0, 0 < top_p <= 1 and top_k = -1 or >= 1 "
+            f"(got temperature={sampling_params.temperature}, top_p={sampling_params.top_p}, "
+            f"top_k={sampling_params.top_k})",
+            code="validation.invalid_sampling_request",
+        )
 
 
 def topk_prompt_logprobs_invalid(topk: int) -> bool:

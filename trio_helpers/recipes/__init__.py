@@ -286,18 +286,16 @@ def load_data(parser: argparse.ArgumentParser, load, flags: str):
 def connect_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None = None):
     """``trio_helpers.connect`` with the backend flags; a missing login or a bad backend is one line, exit 2; a
     service that fails while pytrio's client opens its session (the offline server, down from the start) is one
-    line, exit 1. Offline, the client is pytrio's own, for the offline server (``connect(..., server=True)``).
+    line, exit 1. Offline, the client is pytrio's own, for the offline server (what ``connect("offline")`` returns).
 
     Introduced in: chapter 05 (notebooks/05_grpo_async).
     """
     from trio_helpers import connect
-    from trio_helpers.backend import resolve_backend
 
     options = {name: getattr(args, name) for name in OFFLINE_FLAGS if getattr(args, name, None) is not None}
     try:
         # offline, the recipes run pytrio's own client against the offline server on 127.0.0.1
-        served = resolve_backend(args.backend) == "offline"
-        return connect(args.backend, server=served, **options)
+        return connect(args.backend, **options)
     except (ValueError, TypeError) as err:
         parser.error(str(err))
     except Exception as err:  # pytrio's AuthError, an unreachable service: one line, no traceback
@@ -441,7 +439,7 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
 
     import numpy as np
 
-    from trio_helpers.backend import connect
+    from trio_helpers.backend import connect, usage_of
     from trio_helpers.costs import TOKEN_RATIO, bill_line, config_bill, short_count
     from trio_helpers.offline import catalog
     from trio_helpers.offline.ledger import Usage
@@ -480,9 +478,9 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
     if hasattr(probe, "teacher_base_model") and probe.teacher_base_model not in served:
         probe = replace(probe, teacher_base_model=served[-1], teacher_model_path=None)
     service = connect("offline", latency=0.0)
-    before = service.usage()
+    before = usage_of(service)
     run(service, records, probe)
-    used = service.usage() - before
+    used = usage_of(service) - before
     scale = config.steps / probe.steps
     once = {"training_runs", "sampling_runs", "states_saved", "sampler_weights_saved"}  # not per step
     scaled = Usage(**{name: value if name in once else type(value)(value * scale)

@@ -9,10 +9,12 @@ Usage (from the repository root, on a quiet 2-core machine; about 5 minutes for 
     python benchmarks/bench_exact_cost.py --variant real-client 1 04 08   # through pytrio's own client instead
     python benchmarks/bench_exact_cost.py --against 490c258 2            # against another commit's book
 
-``--variant real-client`` compares the book with itself run through pytrio's unmodified client and the loopback
-server (``benchmarks/real_client/sitecustomize.py``): what issue 23's switch would cost each chapter. The ratio
-column is the first column over the second: exact over float (what exactness costs), or the real client over the
-in-process backend (column ``exact``: the book as it runs today). ``--against REV`` compares the book with commit
+``--variant real-client`` compares the book with itself with every service it asks for in-process
+(``connect("offline", ..., in_process=True)``: chapters 8-11) made pytrio's unmodified client for the loopback
+server instead (``benchmarks/real_client/sitecustomize.py``): what those chapters would cost through pytrio's
+client (chapters 1-7 and 12 already run through it, so both arms compute alike there). The ratio column is the
+first column over the second: exact over float (what exactness costs), or the real client over the book as it
+runs (column ``exact``). ``--against REV`` compares the book with commit
 ``REV``'s (exported with ``git archive``; its offline models are fitted or loaded by one untimed warm-up notebook
 first), chapter by chapter for the notebooks both have: issue 22 set its bar against the book of the day it was
 filed, 490c258 (the last commit before exact arithmetic). Each tree's notebooks run with their own

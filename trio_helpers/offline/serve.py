@@ -35,9 +35,10 @@ def environment(server: OfflineServer, home: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trio_helpers.offline.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--latency", type=float, default=0.0, help="seconds each request waits (default 0)")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds each request waits: runs created, training events and samples, not "
+                             "pytrio's own session, poll or heartbeat requests (default 0)")
     parser.add_argument("--fault-rate", type=float, default=0.0,
-                        help="probability that an attempt is answered HTTP 503 (pytrio retries it)")
+                        help="probability that an attempt of such a request is answered HTTP 503 (pytrio retries it)")
     parser.add_argument("--outage-after", type=int, default=None,
                         help="answer 503 to everything from this request on (0-based; requests are numbered as the "
                              "ledger counts them: runs created, training events and samples, not pytrio's own "

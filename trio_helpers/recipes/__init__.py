@@ -96,7 +96,8 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
                    help="service backend (default: $TRIO_BACKEND, else auto: remote when logged in)")
     g.add_argument("--latency", type=number_where("a number of seconds >= 0", lambda v: v >= 0), default=None,
-                   help="offline only: seconds each request waits on the offline server before its answer")
+                   help="offline only: seconds each request (a run created, a training event, a sample) waits "
+                        "on the offline server")
     g.add_argument("--fault-rate", type=number_where("a probability in [0, 1)", lambda v: 0 <= v < 1),
                    default=None, help="offline only: share of attempts the offline server answers HTTP 503 "
                    "(pytrio's client retries them)")

@@ -73,3 +73,48 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from trio_helpers.offline.fit import ensure_fitted  # fits or loads the fitted models into the disk cache
 
     ensure_fitted()
+
+
+# After a notebook's last cell, its kernel is asked which runs of its offline servers are still open: a chapter
+# ends what it opened (trio_helpers.backend.end_sessions), as a reader should on the service, where pytrio keeps a
+# run alive while its client exists. The probe runs in the kernel after the cells (store_history off, so the
+# notebook's outputs are not touched); a run left open fails the notebook's last cell at teardown.
+OPEN_RUNS_PROBE = """
+import gc as _gc, json as _json, sys as _sys
+_gc.collect()
+_server = _sys.modules.get("trio_helpers.offline.server")
+print("OPEN_RUNS=" + _json.dumps(_server.open_runs() if _server else []))
+"""
+
+
+def _open_runs(kernel, timeout: float = 60.0) -> list[str]:
+    msg_id = kernel.execute_cell_input(OPEN_RUNS_PROBE, allow_stdin=False)
+    text = ""
+    while True:
+        msg = kernel.get_message(stream="iopub", timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            text += msg["content"]["text"]
+        elif msg["msg_type"] == "error":
+            raise RuntimeError(f"the open-runs probe failed in the kernel: {msg['content']['evalue']}")
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    kernel.await_reply(msg_id, timeout)
+    import json
+
+    return json.loads(text.split("OPEN_RUNS=", 1)[1])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Fail a notebook whose kernel still holds open runs after its last cell."""
+    last_cell = type(item).__name__ == "IPyNbCell" and (nextitem is None or nextitem.parent is not item.parent)
+    kernel = getattr(item.parent, "kernel", None) if last_cell else None
+    left_open = _open_runs(kernel) if kernel is not None and kernel.is_alive() else []
+    result = yield  # nbval stops the kernel here
+    if left_open:
+        pytest.fail(f"{Path(str(item.fspath)).name} leaves {len(left_open)} run(s) open after its last cell "
+                    f"({', '.join(left_open[:6])}{', ...' if len(left_open) > 6 else ''}): end them with "
+                    "trio_helpers.backend.end_sessions() (book/troubleshooting.md)", pytrace=False)
+    return result

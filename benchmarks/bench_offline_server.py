@@ -6,8 +6,8 @@ Usage::
     python benchmarks/bench_offline_server.py --rollout async --steps 4 --rounds 5
 
 Both arms run ``trio_helpers.grpo.run_grpo`` with the same config and seed, without simulated latency: arm
-"in-process" on ``connect("offline", latency=0)`` (the offline backend's own client classes), arm "server" on pytrio's
-``ServiceClient`` against ``trio_helpers.offline.server`` over 127.0.0.1 (pytrio's transport, its event protocol,
+"in-process" on ``connect("offline", latency=0, in_process=True)`` (the offline backend's own client classes),
+arm "server" on pytrio's ``ServiceClient`` against ``trio_helpers.offline.server`` over 127.0.0.1 (pytrio's transport, its event protocol,
 msgpack and JSON, long polls). It checks that both give the same metrics (wall-clock keys left out) and the same
 final weights, then prints the median wall time and CPU time of each arm over ``--rounds`` rounds (arms
 alternate, and every other round runs them in reverse order), their ratios and the extra milliseconds per step,
@@ -43,7 +43,7 @@ def comparable(history: list[dict]) -> list[dict]:
 
 
 def run(arm: str, config: GRPOConfig, records, server: OfflineServer, home: Path):
-    service = (connect("offline", latency=0.0, home=home) if arm == "in-process"
+    service = (connect("offline", latency=0.0, home=home, in_process=True) if arm == "in-process"
                else service_client(server, retry_initial_delay_seconds=0.05))
     started, cpu = time.perf_counter(), time.process_time()
     result = run_grpo(service, records, config, progress=False, print_every=0)

@@ -345,3 +345,24 @@ def test_the_exact_reverse_kl_reads_the_servers_models(server, home):
     assert kl["local"]["tokens"] > 0
     with pytest.raises(TypeError, match="not served by the offline backend"):
         sampler_model(object())
+
+
+def test_end_sessions_ends_the_runs_of_every_client_connect_returned(tmp_path):
+    """What every chapter's last cell does: the sessions end (and with them their runs) although variables still
+    hold the clients; a second call, and clients of the in-process engine, are left alone."""
+    from trio_helpers.backend import end_sessions
+    from trio_helpers.offline.server import open_runs, server_of
+
+    first = connect("offline", latency=0.0, home=tmp_path)
+    second = connect("offline", latency=0.0, home=tmp_path)
+    local = connect("offline", latency=0.0, home=tmp_path, in_process=True)
+    clients = [first.create_lora_training_client("offline/tiny", rank=8, seed=0), second.create_sampling_client(
+        "offline/tiny")]
+    mine = [f"{cuid} ({run['kind']})" for svc in (first, second) for cuid, run in server_of(svc).runs().items()]
+    assert len(mine) == 2 and set(mine) <= set(open_runs())
+    end_sessions()
+    assert not set(mine) & set(open_runs())
+    assert all(run["ended"] for svc in (first, second) for run in server_of(svc).runs().values())
+    end_sessions()  # nothing left to end
+    local.create_lora_training_client("offline/tiny", rank=8, seed=0)  # the in-process client still works
+    assert clients  # (the clients were held throughout)

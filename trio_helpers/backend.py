@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 from pytrio.errors.auth import AuthError
 
@@ -37,6 +38,7 @@ REMOTE_TIMEOUTS = {
 
 _ACTIVE: str | None = None  # the backend the last connect() returned: "offline", "remote" or None
 _OFFLINE_LEDGERS: list = []  # the usage ledgers of the offline services connect() created (small; no threads)
+_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # the pytrio ServiceClients connect() returned (end_sessions)
 
 # pytrio's retries against connect("offline"): its first delay, growth, longest delay and retry
 # windows (the service's defaults: 1 s doubling to 30 s, 900-s windows), so a fault costs milliseconds and an
@@ -266,6 +268,7 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
             served = OfflineServer(options=OfflineOptions(**options)).start()
             client = service_client(served, **OFFLINE_SERVER_RETRIES)
             ledger = served._runtime.ledger
+            _SESSIONS.add(client)
         _ACTIVE = "offline"
         _OFFLINE_LEDGERS.append(ledger)
         return client
@@ -286,4 +289,26 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
             raise MissingCredentialsError() from None
         raise
     _ACTIVE = "remote"
+    _SESSIONS.add(client)
     return client
+
+
+def end_sessions() -> None:
+    """End the service session of every pytrio client :func:`connect` returned that is still open, and with it
+    every training and sampling run made through that client.
+
+    pytrio 0.2.9 has no public ``close()``. A training run's heartbeat stops when its ``TrainingClient`` is
+    garbage-collected, and the service session (with its runs) ends when the ``ServiceClient`` and every client
+    made from it are collected, or when the process exits. In a notebook, whose variables stay referenced, that
+    means when the kernel stops. This calls what pytrio's own finalizer calls, ``shutdown()`` of the client's
+    runtime (its private ``_runtime``), so a notebook can end its runs without finding every variable that holds
+    a client. The clients cannot be used afterwards. In-process offline clients (``in_process=True``) have no
+    session and are left alone.
+
+    Introduced in: chapter 01 (notebooks/01_gsm8k_data); see book/troubleshooting.md.
+    """
+    for client in list(_SESSIONS):
+        runtime = getattr(client, "_runtime", None)
+        if runtime is not None and callable(getattr(runtime, "shutdown", None)):
+            runtime.shutdown()  # idempotent in pytrio: a session already closed is not closed again
+        _SESSIONS.discard(client)

@@ -716,6 +716,15 @@ _SERVER: OfflineServer | None = None
 _SERVER_LOCK = threading.Lock()
 
 
+def open_runs() -> list[str]:
+    """The runs of this process's offline servers whose service session has not ended, as ``"cuid (kind)"``:
+    what a notebook leaves alive (``tests/conftest.py`` asks after each chapter's last cell). A server in a
+    simulated outage (``outage_after``) is left out: it refuses the request that would close the session too,
+    as a service that is down would."""
+    return [f"{cuid} ({run['kind']})" for server in list(_LIVE.values()) if not server.outage
+            for cuid, run in server.runs().items() if not run["ended"]]
+
+
 def server_of(client) -> OfflineServer | None:
     """The offline server in this process that a pytrio client (``ServiceClient``, ``TrainingClient`` or
     ``SamplingClient``) talks to, found by its base URL; None for anything else (the real service's clients, the

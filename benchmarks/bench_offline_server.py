@@ -6,12 +6,12 @@ Usage::
     python benchmarks/bench_offline_server.py --rollout async --steps 4 --rounds 5
 
 Both arms run ``trio_helpers.grpo.run_grpo`` with the same config and seed, without simulated latency: arm
-"in-process" on ``connect("offline", latency=0, in_process=True)`` (the offline backend's own client classes),
-arm "server" on pytrio's ``ServiceClient`` against ``trio_helpers.offline.server`` over 127.0.0.1 (pytrio's transport, its event protocol,
-msgpack and JSON, long polls). It checks that both give the same metrics (wall-clock keys left out) and the same
-final weights, then prints the median wall time and CPU time of each arm over ``--rounds`` rounds (arms
-alternate, and every other round runs them in reverse order), their ratios and the extra milliseconds per step,
-the ledger's requests per server run and the HTTP requests pytrio sent for them, by kind. The CPU time is this
+"in-process" on ``connect("offline", latency=0, in_process=True)`` (the offline backend's own client classes), arm
+"server" on pytrio's ``ServiceClient`` against ``trio_helpers.offline.server`` over 127.0.0.1 (pytrio's transport,
+its event protocol, msgpack and JSON, long polls). It checks that both give the same metrics (wall-clock keys left
+out) and the same final weights, then prints the median wall time and CPU time of each arm over ``--rounds`` rounds
+(arms alternate, and every other round runs them in reverse order), their ratios and the extra milliseconds per
+step, the ledger's requests per server run and the HTTP requests pytrio sent for them, by kind. The CPU time is this
 process's (client, server and compute threads alike): it is what a chapter's kernel would spend (issue 23).
 """
 

@@ -1,8 +1,9 @@
 """The issue's "done when", as tests: the loop (and its recipes) under transient faults, outages and interruptions.
 
-- transient faults (``connect("offline", in_process=True, fault_rate=0.2)``) are retried inside the offline clients, as pytrio's
-  transport does: GRPO and OPD, sync, async and pipelined, complete with the rows and final weights of the
-  fault-free run (no user-level retries are allowed in those runs, so nothing can have reached the loop);
+- transient faults (``connect("offline", in_process=True, fault_rate=0.2)``) are retried inside the offline
+  clients, as pytrio's transport does: GRPO and OPD, sync, async and pipelined, complete with the rows and final
+  weights of the fault-free run (no user-level retries are allowed in those runs, so nothing can have reached the
+  loop);
 - an outage (``outage_after=N``: every request from the N-th on fails once its retry window ran out) stops a run
   cleanly with :class:`trio_helpers.loop.RunStopped`: whole rows of finished steps only, ``checkpoints.json``
   intact, and a resume on a healthy service reproduces the uninterrupted run; whatever request the outage
@@ -17,7 +18,7 @@ The loop's runs are the small ones of ``test_loop.py`` (its helpers and uninterr
 on the in-process backend; ``test_loop_real_client.py`` runs them through pytrio's own client. pytrio's retry
 windows are cut to 20 simulated seconds where an outage is simulated, so that its requests give up after about
 20 ms of real time instead of 0.9 s (the offline backend sleeps 1 ms per simulated second of retrying). The
-recipes run pytrio's own client against the offline server (``connect("offline", in_process=True, server=True)``), whose faults
+recipes run pytrio's own client against the offline server (``connect("offline")``), whose faults
 are 503s on the wire and whose retry windows are ``OFFLINE_SERVER_RETRIES``' 2 s of real time.
 """
 
@@ -154,7 +155,8 @@ def test_an_outage_at_any_request_stops_cleanly_and_resumes_exactly(kind, home, 
         run_dir = tmp_path / f"outage-{n}"
         broken = replace(config, run_dir=str(run_dir))
         with pytest.raises(RunStopped) as info:
-            run(kind, connect("offline", in_process=True, latency=0.0, outage_after=n, home=home), broken, retries=NO_WAIT)
+            run(kind, connect("offline", in_process=True, latency=0.0, outage_after=n, home=home), broken,
+                retries=NO_WAIT)
         assert_stopped_cleanly(info.value, run_dir)
         if info.value.checkpoint is None:
             continue
@@ -212,7 +214,8 @@ def test_no_optim_step_follows_a_failed_forward_backward(kind, home, tmp_path, s
     # The trainer's state is still that of the last checkpoint (read through the offline client's internals:
     # a broken training client can no longer save, and pytrio offers no other way to read Adam's counter).
     last = read_checkpoints(run_dir)[-1]
-    restored = connect("offline", in_process=True, latency=0.0, home=home).create_training_client_from_state_with_optimizer(
+    local = connect("offline", in_process=True, latency=0.0, home=home)
+    restored = local.create_training_client_from_state_with_optimizer(
         last["path"])
     assert spy.inner._adam["step"] == restored._adam["step"] == names.count("optim_step")
     for key, value in restored._model.adapter.params().items():

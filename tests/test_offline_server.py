@@ -1,8 +1,9 @@
 """pytrio's own client against the offline server (``trio_helpers.offline.server``), over 127.0.0.1.
 
 Every call the book uses goes through pytrio 0.2.9's unmodified ``ServiceClient`` and must give the same numbers as
-the in-process offline backend (``connect("offline", in_process=True)``) with the same seeds: sampled tokens and logprobs, prompt
-and top-k prompt logprobs, ``compute_logprobs``, every loss, optimizer metrics, checkpoints and the final weights.
+the in-process offline backend (``connect("offline", in_process=True)``) with the same seeds: sampled tokens and
+logprobs, prompt and top-k prompt logprobs, ``compute_logprobs``, every loss, optimizer metrics, checkpoints and
+the final weights.
 Seeded 503 faults (before and after the work) are retried by pytrio itself and change nothing; a re-sent event is
 answered 409 ``event_exists`` and runs once. A subprocess runs a plain pytrio script against
 ``python -m trio_helpers.offline.serve``. Each test is bounded in time (``signal.alarm``).

@@ -360,11 +360,12 @@ def test_the_loop_retries_failed_sampling_and_matches_a_clean_run(tmp_path, monk
     for rollout in ("sync", "async", "pipeline"):
         config = GRPOConfig(**{**base.__dict__, "rollout": rollout})
         monkeypatch.setattr(OfflineSamplingClient, "sample_async", original)
-        clean = run_grpo(connect("offline", latency=0.0, home=tmp_path, in_process=True), RECORDS, config, reward_fn=reward)
+        local = connect("offline", latency=0.0, home=tmp_path, in_process=True)
+        clean = run_grpo(local, RECORDS, config, reward_fn=reward)
         monkeypatch.setattr(OfflineSamplingClient, "sample_async", fails_once)
         failed.clear()
-        faulty = run_grpo(connect("offline", latency=0.0, home=tmp_path, in_process=True), RECORDS, config, reward_fn=reward,
-                          retries=FAST)
+        local = connect("offline", latency=0.0, home=tmp_path, in_process=True)
+        faulty = run_grpo(local, RECORDS, config, reward_fn=reward, retries=FAST)
         assert len(failed) == config.steps * config.batch_size, rollout
         assert without_timing(faulty.history) == without_timing(clean.history), rollout
         assert sum(row["train/datums"] for row in clean.history) > 0

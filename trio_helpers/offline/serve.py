@@ -35,7 +35,8 @@ def environment(server: OfflineServer, home: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trio_helpers.offline.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--latency", type=float, default=0.0, help="seconds each request waits: runs created, training events and samples, not "
+    parser.add_argument("--latency", type=float, default=0.0,
+                        help="seconds each request waits: runs created, training events and samples, not "
                              "pytrio's own session, poll or heartbeat requests (default 0)")
     parser.add_argument("--fault-rate", type=float, default=0.0,
                         help="probability that an attempt of such a request is answered HTTP 503 (pytrio retries it)")

@@ -7,9 +7,10 @@ Usage::
     python benchmarks/bench_grpo_async.py --latencies 1.0 --pipeline-steps 6   # quicker, one latency
 
 Everything runs through the book's own loop, ``trio_helpers.grpo.run_grpo``, on ``connect("offline",
-latency=L)``: every request (sampling, training, control) waits ``L`` seconds "on the network", concurrently with
-other requests in flight, then runs its numpy compute on the backend's single compute worker (sampling requests in
-flight batched, as an inference server does).
+latency=L)``, pytrio's own client for the loopback offline server: every request a program makes (sampling,
+training events, creating runs) waits ``L`` seconds "on the network", concurrently with other requests in flight,
+then runs its numpy compute on the backend's single compute worker (sampling requests in flight batched, as an
+inference server does).
 
 What is measured, at each latency ``L`` (``--latencies``, default 1.0 and 0.2):
 
@@ -41,11 +42,11 @@ Ceilings printed next to the bars, because the offline backend is not the servic
   the service does), but a CPU batch costs a good part of the requests one by one. The *serial-compute floor*
   replaces the slowest request in the bound by ``L + sum of the requests' compute`` sent alone: the best ratio
   this backend would allow without batching (a measured ratio below ``floor / bound`` is batching at work);
-- a training client's requests run in submission order and each one's latency starts only when the previous one
-  has finished, so submitting ``optim_step`` early overlaps nothing offline: the ordering cost measured here is
-  ~0 by construction. On the service the queued ``optim_step`` would already have been sent while
-  ``forward_backward`` computes; the most the ordering can cost there is one ``optim_step`` round trip per step,
-  printed as the *service bound*;
+- pytrio sends a training run's events one at a time, each as soon as the previous one is accepted, and the
+  offline server waits a submit's latency before accepting it, then queues its work on the single worker. So a
+  queued ``optim_step`` is sent while ``forward_backward`` computes, as on the service, and the ordering cost
+  measured here is about the smaller of the latency and ``forward_backward``'s compute. The most the ordering can
+  cost is one ``optim_step`` round trip per step, printed as the *service bound*;
 - pipelining: the loop awaits the refresh (a training event queued after the previous ``optim_step``, then a
   control call: two latencies) before it trains, and sends the next batch's requests right after it; their
   latency overlaps ``forward_backward``'s, but their compute queues ahead of ``forward_backward``'s on the

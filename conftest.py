@@ -39,6 +39,39 @@ def pytest_configure(config: pytest.Config) -> None:
     sanitize = getattr(config.option, "nbval_sanitize_with", None)
     if sanitize and not Path(sanitize).is_absolute():
         config.option.nbval_sanitize_with = str(config.rootpath / sanitize)
+    if getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False):
+        _retry_kernel_starts()
+
+
+def _retry_kernel_starts(attempts: int = 3) -> None:
+    """Start a notebook's kernel again when it does not come up (at most ``attempts`` starts).
+
+    jupyter_client picks a kernel's five ports by binding port 0 and releasing it; until the new kernel binds them,
+    another process can take one: another kernel starting on another pytest-xdist worker, or an outgoing loopback
+    connection (the chapters' pytrio clients talk to their offline servers over 127.0.0.1). The kernel then never
+    answers, and nbval fails every cell after its 60-s start-up timeout (jupyter_client issue 487; it happened once
+    in six runs of the notebooks on 2026-12-03, to chapter 5). nbval's ``start_new_kernel`` shuts a kernel that did
+    not answer down before it raises, so starting another one, with fresh ports, is safe.
+    """
+    import warnings
+
+    from nbval import kernel as nbval_kernel
+
+    start = nbval_kernel.RunningKernel.__init__
+    if getattr(start, "retries_kernel_starts", False):
+        return
+
+    def start_with_retries(self, *args, **kwargs):
+        for attempt in range(1, attempts + 1):
+            try:
+                return start(self, *args, **kwargs)
+            except RuntimeError as err:  # "Kernel didn't respond in 60 seconds", "Kernel died before replying ..."
+                if attempt == attempts:
+                    raise
+                warnings.warn(f"a notebook kernel did not start ({err}); starting another", stacklevel=1)
+
+    start_with_retries.retries_kernel_starts = True
+    nbval_kernel.RunningKernel.__init__ = start_with_retries
 
 
 # Longest first (times from `python benchmarks/bench_book.py`), so that pytest-xdist, which hands files to its

@@ -13,6 +13,7 @@ pytest-xdist worker about 0.4 s of CPU); the unit tests that draw select Agg the
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -134,8 +135,6 @@ def _open_runs(kernel, timeout: float = 60.0) -> list[str]:
         elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
     kernel.await_reply(msg_id, timeout)
-    import json
-
     return json.loads(text.split("OPEN_RUNS=", 1)[1])
 
 

@@ -29,7 +29,7 @@ from trio_helpers.offline.server import OfflineServer, service_client
 from trio_helpers.offline.service import OfflineOptions
 
 home, straight = test_loop.home, test_loop.straight  # fixtures: the offline home, the in-process reference runs
-FAST = OFFLINE_SERVER_RETRIES  # what connect("offline", server=True) and the recipes use
+FAST = OFFLINE_SERVER_RETRIES  # what connect("offline") and the recipes use
 
 # an outage: pytrio gives up on a request after 0.2 s of retrying instead of 2
 SHORT = {**FAST, **{f"{plane}_retry_timeout_seconds": 0.2 for plane in ("training", "sampling", "control")}}

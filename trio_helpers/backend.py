@@ -308,7 +308,5 @@ def end_sessions() -> None:
     Introduced in: chapter 01 (notebooks/01_gsm8k_data); see book/troubleshooting.md.
     """
     for client in list(_SESSIONS):
-        runtime = getattr(client, "_runtime", None)
-        if runtime is not None and callable(getattr(runtime, "shutdown", None)):
-            runtime.shutdown()  # idempotent in pytrio: a session already closed is not closed again
+        client._runtime.shutdown()  # idempotent in pytrio: a session already closed is not closed again
         _SESSIONS.discard(client)

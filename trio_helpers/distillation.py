@@ -424,7 +424,7 @@ def final_line_start(tokenizer, tokens: Sequence[int]) -> int:
     return min(start, len(tokens))
 
 
-def _require_offline(**clients) -> dict:
+def _offline_models(**clients) -> dict:
     """The offline model behind each sampling client (``trio_helpers.offline.server.sampler_model``), by name."""
     from trio_helpers.offline.server import sampler_model
 
@@ -443,7 +443,7 @@ def _require_offline(**clients) -> dict:
 
 def _exact_kl_of(student_sampler, models: dict, pairs) -> dict[str, float]:
     """Exact per-position reverse KL over ``(prompt_tokens, completion_tokens)`` pairs, split at the final line;
-    ``models``: :func:`_require_offline`'s."""
+    ``models``: :func:`_offline_models`'s."""
     from trio_helpers.offline import exact
     from trio_helpers.offline.model import log_softmax, sequence_rows
 
@@ -492,7 +492,7 @@ def exact_reverse_kl_offline(student_sampler, teacher_sampler, prompts: Sequence
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
-    models = _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
+    models = _offline_models(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
     pairs = [(_prompt_tokens(p), list(s.tokens))
              for p, seqs in _heldout_samples(student_sampler, prompts, seed, max_tokens, samples, stop) for s in seqs]
     return _exact_kl_of(student_sampler, models, pairs)
@@ -510,7 +510,7 @@ def exact_rollout_kl_offline(student_sampler, teacher_sampler, groups: Sequence)
 
     Introduced in: chapter 06 (notebooks/06_opd).
     """
-    models = _require_offline(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
+    models = _offline_models(student_sampler=student_sampler, teacher_sampler=teacher_sampler)
     pairs = [(_prompt_tokens(g.prompt), list(s.tokens)) for g in groups for s in g.sequences]
     return _exact_kl_of(student_sampler, models, pairs)
 

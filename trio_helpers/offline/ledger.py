@@ -30,7 +30,7 @@ class Usage:
             often the client retried it. Calls rejected by validation or by a broken
             training client are never sent and not counted.
         retries: attempts beyond the first, made inside the client (pytrio's transport); on the
-            offline server (``connect("offline", server=True)``), the attempts it answered 503,
+            offline server (what ``connect("offline")`` serves), the attempts it answered 503,
             which pytrio re-sends while its retry window lasts.
         failed_requests: requests whose retry window ran out, so pytrio's error surfaced.
         simulated_seconds: seconds spent in the transport on the simulated clock: every

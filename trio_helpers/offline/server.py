@@ -16,8 +16,9 @@ Faults are decided per request from the seed and what identifies the request (ne
 done and kept; the retry finds it); ``outage_after=N`` answers 503 to everything from the N-th new request on.
 pytrio retries both with its own backoff and windows (``pytrio.configure``), as on the service.
 
-Start one with :func:`start_server` (a daemon thread, 127.0.0.1, a free port) and get pytrio's client for it with
-:func:`service_client`; ``python -m trio_helpers.offline.serve`` runs one standalone.
+Start one with ``OfflineServer(options=...).start()`` (a daemon thread, 127.0.0.1, a free port) and get pytrio's
+client for it with :func:`service_client` (``trio_helpers.connect("offline")`` does both);
+``python -m trio_helpers.offline.serve`` runs one standalone.
 """
 
 from __future__ import annotations
@@ -712,8 +713,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 # --- pytrio's client for the in-process server ---------------------------------------------------------------
-_SERVER: OfflineServer | None = None
-_SERVER_LOCK = threading.Lock()
+_CLIENT_HOME_LOCK = threading.Lock()
 
 
 def open_runs() -> list[str]:
@@ -752,21 +752,6 @@ def sampler_model(client) -> TinyLM:
     return server._sampler(server._runs[cuid])._model
 
 
-def start_server(options: OfflineOptions | None = None) -> OfflineServer:
-    """The process's in-process server (started on first call, in a daemon thread, on a free 127.0.0.1 port).
-
-    ``options`` apply only to the call that starts it; a later call with other options raises ``ValueError``.
-    """
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None:
-            _SERVER = OfflineServer(options=options).start()
-        elif options is not None and options != _SERVER.options:
-            raise ValueError("the in-process offline server already runs with other options "
-                             f"({_SERVER.options}); start a separate OfflineServer(...) for these")
-        return _SERVER
-
-
 def dead_port() -> int:
     """A 127.0.0.1 port nothing listens on (bound, then released): connecting to it fails at once."""
     with socket.socket() as s:
@@ -792,8 +777,8 @@ def tokenizer_environment(root: Path) -> dict[str, str]:
 _CLIENT_HOME: Path | None = None
 
 
-def service_client(server: OfflineServer | None = None, **pytrio_options) -> "pytrio.ServiceClient":  # noqa: F821
-    """pytrio's own ``ServiceClient``, connected to the offline server (the process's in-process one by default).
+def service_client(server: OfflineServer, **pytrio_options) -> "pytrio.ServiceClient":  # noqa: F821
+    """pytrio's own ``ServiceClient``, connected to the offline ``server``.
 
     The client gets a private temporary ``home`` (nothing is read from or written to ``~/.pytrio``), telemetry
     off, the placeholder key :data:`OFFLINE_API_KEY` (for this 127.0.0.1 server only) and ``pytrio_options``
@@ -809,8 +794,7 @@ def service_client(server: OfflineServer | None = None, **pytrio_options) -> "py
     from pytrio.observability import api as observability
 
     global _CLIENT_HOME
-    server = server or start_server()
-    with _SERVER_LOCK:
+    with _CLIENT_HOME_LOCK:
         if _CLIENT_HOME is None:
             _CLIENT_HOME = Path(tempfile.mkdtemp(prefix="trio-offline-client-"))
             os.environ.update(tokenizer_environment(_CLIENT_HOME / "modelscope"))

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,10 @@ class ConfigureCalls(list):
 
 @pytest.fixture(autouse=True)
 def fresh_backend_state(monkeypatch):
-    """Every test starts before any connect(), and the module state is restored afterwards."""
+    """Every test starts before any connect(), and the module state is restored afterwards (the fake remote
+    clients never reach the process's record of sessions for end_sessions)."""
     monkeypatch.setattr(backend, "_ACTIVE", None)
+    monkeypatch.setattr(backend, "_SESSIONS", weakref.WeakSet())
 
 
 @pytest.fixture

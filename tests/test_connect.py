@@ -20,6 +20,7 @@ import pytrio
 
 import trio_helpers
 from trio_helpers import backend
+from trio_helpers.offline.server import server_of
 from trio_helpers.offline.service import OfflineServiceClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,9 +263,11 @@ def test_unknown_offline_options(no_env):
 
 
 def test_offline_options_are_passed_through(no_env, tmp_path):
-    svc = trio_helpers.connect("offline", latency=0.5, fault_rate=0.25, seed=9, home=str(tmp_path), in_process=True)
-    assert (svc.options.latency, svc.options.fault_rate, svc.options.seed) == (0.5, 0.25, 9)
-    assert svc.options.home == tmp_path
+    svc = trio_helpers.connect("offline", latency=0.5, seed=9, home=str(tmp_path), in_process=True)
+    assert (svc.options.latency, svc.options.seed, svc.options.home) == (0.5, 9, tmp_path)
+    served = server_of(trio_helpers.connect("offline", latency=0.5, fault_rate=0.25, seed=9, home=str(tmp_path)))
+    assert (served.options.latency, served.options.fault_rate, served.options.seed) == (0.5, 0.25, 9)
+    assert served.options.home == tmp_path
 
 
 def test_offline_home_defaults_to_env(no_env, monkeypatch, tmp_path):

@@ -1,11 +1,11 @@
-"""The offline backend under event loops, concurrency, ordering and injected faults.
+"""The in-process offline engine under event loops, concurrency and ordering.
 
 - the sync API works inside a running event loop (Jupyter) and the async API under ``asyncio.run``;
 - requests in flight wait their simulated latency concurrently; sequential calls add up (the only timing checks
   here are a lower bound that cannot flake and one ratio with generous slack);
-- a training client's operations run in submission order;
-- ``fault_rate`` faults are retried inside the client, reproducibly, and never reach user
-  code (the retry and outage semantics are tested in ``test_offline_faults.py``).
+- a training client's operations run in submission order.
+
+Faults happen between pytrio's client and the offline server (``test_offline_server.py``).
 """
 
 from __future__ import annotations
@@ -206,29 +206,3 @@ def test_async_training_ops_keep_submission_order(tmp_path):
 
     before, after = run_in_thread(lambda: asyncio.run(main()))
     assert after < before
-
-
-# --------------------------------------------------------------------------------------------------- faults
-def _retries(seed: int, n: int = 24) -> tuple[int, ...]:
-    """How many retries each of ``n`` sampling requests needed under ``fault_rate=0.5``."""
-    svc = connect("offline", in_process=True, latency=0.0, fault_rate=0.5, seed=seed)
-    sampler = svc.create_sampling_client(MODEL)
-    counts = []
-    for i in range(n):
-        before = svc.usage().retries
-        params = trio.SamplingParams(max_tokens=2, seed=i)
-        sampler.sample(PROMPT, sampling_params=params).result()
-        counts.append(svc.usage().retries - before)
-    return tuple(counts)
-
-
-def test_transient_faults_are_retried_inside_the_client_reproducibly():
-    """Like pytrio's transport, the offline client retries a 503 itself: no fault surfaces.
-
-    Which requests were retried, and how often, follows from ``seed`` and the order of
-    submission. The retry semantics themselves are tested in ``test_offline_faults.py``.
-    """
-    a, b, other = _retries(3), _retries(3), _retries(4)
-    assert a == b
-    assert any(a) and not all(a)
-    assert a != other

@@ -124,7 +124,7 @@ def test_evaluate_writes_a_usage_json_with_retries(capsys) -> None:
     assert evaluate_recipe.main([*EVAL, "--fault-rate", "0.3", "--out", "base.jsonl"]) == 0
     out = capsys.readouterr().out
     usage = json.loads(Path("base.usage.json").read_text())
-    assert usage["retries"]["retries"] == usage["offline"]["retries"] > 0
+    assert usage["offline"]["retries"] > 0
     assert "retries (inside the client)" in out and "usage: base.usage.json" in out
 
 

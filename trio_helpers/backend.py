@@ -229,8 +229,10 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
             pytrio's retry delays and windows shortened to :data:`OFFLINE_SERVER_RETRIES`. ``in_process=True``
             returns the offline engine's in-process client instead: the same numbers without pytrio's transport
             (about 2 ms of client CPU per request less), for the toy sweeps of chapters 8-11, which make thousands
-            of requests. :func:`usage_of` reads either one's ledger.
-        **options: offline: ``latency``, ``fault_rate``, ``seed``, ``home`` (see ``OfflineOptions``).
+            of requests. It has no transport, so it takes no ``fault_rate`` or ``outage_after`` (a one-line
+            ``ValueError``). :func:`usage_of` reads either one's ledger.
+        **options: offline: ``latency``, ``fault_rate``, ``outage_after``, ``seed``, ``home``,
+            ``sampler_logit_precision`` (see ``OfflineOptions``).
             remote: any ``pytrio.configure`` keyword (e.g. ``training_retry_timeout_seconds``), applied before
             the client is created; without any, the client keeps pytrio's default retry windows.
 
@@ -259,13 +261,20 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise ValueError(f"offline backend options are {sorted(allowed)}; got unknown {unknown}")
+        offline_options = OfflineOptions(**options)  # checked before anything starts
         if in_process:
-            client = OfflineServiceClient(OfflineOptions(**options))
+            wire = {k: v for k, v in options.items() if k in ("fault_rate", "outage_after") and v is not None and
+                    v is not False and (k == "outage_after" or v)}
+            if wire:
+                name, value = next(iter(wire.items()))
+                raise ValueError(f"{name}={value!r} needs the offline server: faults happen on the wire, where "
+                                 "pytrio's client retries them; drop in_process=True")
+            client = OfflineServiceClient(offline_options)
             ledger = client._runtime.ledger
         else:
             from trio_helpers.offline.server import OfflineServer, service_client
 
-            served = OfflineServer(options=OfflineOptions(**options)).start()
+            served = OfflineServer(options=offline_options).start()
             client = service_client(served, **OFFLINE_SERVER_RETRIES)
             ledger = served._runtime.ledger
             _SESSIONS.add(client)

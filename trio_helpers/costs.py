@@ -138,7 +138,7 @@ LEDGER_ROWS = (("requests", "requests"), ("prompt_tokens", "sampling prompt toke
                ("forward_tokens", "forward tokens"), ("forward_backward_tokens", "forward_backward tokens"),
                ("optim_steps", "optimizer steps"), ("training_runs", "training runs created"),
                ("sampler_snapshots", "sampler snapshots"), ("states_saved", "training states saved"),
-               ("retries", "retries (inside the client)"), ("failed_requests", "requests failed for good"))
+               ("retries", "retries (inside the client)"))
 """The ledger rows a chapter's cost table shows (zero rows are left out, except ``requests``)."""
 
 

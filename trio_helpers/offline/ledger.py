@@ -27,17 +27,11 @@ class Usage:
 
     Requests and time (every request):
         requests: requests that reached the (simulated) service, each counted once however
-            often the client retried it. Calls rejected by validation or by a broken
-            training client are never sent and not counted.
-        retries: attempts beyond the first, made inside the client (pytrio's transport); on the
-            offline server (what ``connect("offline")`` serves), the attempts it answered 503,
-            which pytrio re-sends while its retry window lasts.
-        failed_requests: requests whose retry window ran out, so pytrio's error surfaced.
-        simulated_seconds: seconds spent in the transport on the simulated clock: every
-            attempt's latency plus every backoff wait, summed over requests. Concurrent
-            requests overlap in real time, so this is request-seconds, not elapsed time.
-        retry_seconds: the part of ``simulated_seconds`` caused by failures (waits and
-            failed attempts).
+            often pytrio's client re-sent it. Calls rejected by validation are never sent and
+            not counted.
+        retries: on the offline server (what ``connect("offline")`` serves), the attempts it
+            answered 503 (a fault or an outage), which pytrio's client re-sends while its retry
+            window lasts. The in-process engine (``in_process=True``) has no faults: always 0.
 
     Work (counted only for requests that did their work):
         samples: sequences sampled (``num_samples`` per ``sample`` call).
@@ -66,9 +60,6 @@ class Usage:
 
     requests: int = 0
     retries: int = 0
-    failed_requests: int = 0
-    simulated_seconds: float = 0.0
-    retry_seconds: float = 0.0
     samples: int = 0
     prompt_tokens: int = 0
     sampled_tokens: int = 0
@@ -113,9 +104,6 @@ class Usage:
 ROWS = (
     ("requests", "requests"),
     ("retries", "  retries inside the client"),
-    ("failed_requests", "  failed (window ran out)"),
-    ("simulated_seconds", "simulated seconds"),
-    ("retry_seconds", "  of which retrying"),
     ("samples", "sampled sequences"),
     ("prompt_tokens", "sampling prompt tokens"),
     ("sampled_tokens", "sampled tokens"),
@@ -134,10 +122,6 @@ ROWS = (
 LABEL_WIDTH = 30
 COLUMN_WIDTH = 12
 MAX_COLUMNS = (92 - LABEL_WIDTH) // COLUMN_WIDTH  # 5 columns fit in 92 characters
-
-
-def _cell(value: float) -> str:
-    return f"{value:,.2f}" if isinstance(value, float) else f"{value:,}"
 
 
 def usage_table(usage: Usage | Mapping[str, Usage], *, all_rows: bool = False) -> str:
@@ -174,7 +158,7 @@ def usage_table(usage: Usage | Mapping[str, Usage], *, all_rows: bool = False) -
         if not all_rows and name != "requests" and not any(values):
             continue
         lines.append(label.ljust(LABEL_WIDTH)
-                     + "".join(_cell(v).rjust(COLUMN_WIDTH) for v in values))
+                     + "".join(f"{v:,}".rjust(COLUMN_WIDTH) for v in values))
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -148,8 +148,7 @@ class OfflineServer:
 
     def __init__(self, port: int = 0, options: OfflineOptions | None = None, fault_after_share: float = 0.5) -> None:
         self.options = options or OfflineOptions(latency=0.0)
-        # the in-process backend supplies the compute thread, the batching sampler and the ledger; the server
-        # never uses its simulated transport (its own requests are real)
+        # the in-process backend supplies the compute thread, the batching sampler and the ledger
         self._backend = OfflineServiceClient(OfflineOptions(
             latency=0.0, seed=self.options.seed, home=self.options.home,
             sampler_logit_precision=self.options.sampler_logit_precision))

@@ -13,25 +13,9 @@ request too (a control call, as on the service), and
 ``save_weights_and_get_sampling_client`` is two: a training event that snapshots the
 weights, then a control call for the sampler.
 
-Faults, retries and outages (book/offline_backend.md, {ref}`offline-backend-faults`; the
-model of pytrio's transport is ``trio_helpers.offline.transport``):
-
-- ``fault_rate`` makes each HTTP attempt fail with a 503 before any work is done. The
-  offline client retries it as pytrio's transport does: exponential backoff with jitter,
-  within the training, sampling or control retry window of pytrio's configuration as it was
-  when the service was created. A retried request does its work exactly once, so results are
-  bit-identical to a fault-free run with the same seeds. The backoff runs on a simulated
-  clock; the real sleep is ``latency + retry_time_scale * (simulated seconds - latency)``.
-- ``outage_after=N`` makes every request from the N-th on (0-based, in submission order)
-  fail at every attempt. It is retried until its window runs out; then pytrio's own error
-  surfaces: ``ActorEventSubmitError`` (training), ``ActorAPIError`` (sampling) or
-  ``ControlAPIError`` (control), HTTP 503, ``retryable=True``.
-- A training operation that fails that way breaks its training client, as pytrio's
-  training-run coordinator does: operations queued behind it (say an ``optim_step``
-  submitted before awaiting the failed ``forward_backward``) fail with ``PyTrioError`` code
-  ``training.run_broken`` without being sent or applied, and every later call on that client
-  raises the same error; continue from the last ``save_state`` with a new training client.
-  So an ``optim_step`` never applies after its ``forward_backward`` failed.
+These clients have no transport: no faults, retries or outages. Those happen on the wire, between pytrio's own
+client and the offline server (``trio_helpers.offline.server``), which is what ``connect("offline")`` returns;
+``connect("offline", in_process=True)`` refuses ``fault_rate`` and ``outage_after``.
 """
 
 from __future__ import annotations
@@ -49,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from pytrio.client.training_batch import normalize_loss_fn, plan_training_batch
-from pytrio.errors.base import PyTrioError, ValidationError
+from pytrio.errors.base import ValidationError
 from pytrio.model.limits import TrainingLimits
 from pytrio.types import (
     AdamParams,
@@ -73,12 +57,6 @@ from trio_helpers.offline.model import (Adapter, SampleJob, TinyLM, log_softmax,
                                          step_sample_jobs)
 from trio_helpers.offline.precision import check_precision, sampler_model
 from trio_helpers.offline.tokenizer import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, get_offline_tokenizer
-from trio_helpers.offline.transport import (
-    FaultModel,
-    RetrySettings,
-    broken_run_error,
-    exhausted_error,
-)
 
 URI_SCHEME = "trio-offline://"
 MAX_SEQ_LEN = 8192
@@ -98,17 +76,13 @@ class OfflineOptions:
         latency: simulated seconds each request spends "on the network" (sampling, logprobs,
             training and control calls alike). Concurrent requests wait concurrently,
             sequential ones add up.
-        fault_rate: probability that one HTTP attempt of a request fails with a transient
-            503 before any work is done. The client retries it inside, as pytrio's transport
-            does, so it costs simulated time only.
-        outage_after: if set, every request from this one on (0-based count of the requests
-            submitted to this service) fails at every attempt, until pytrio's retry window
-            runs out and its error surfaces.
-        retry_time_scale: real seconds slept per simulated second of retrying (backoff waits
-            and failed attempts). The default 0.001 turns pytrio's 15-minute window into
-            0.9 s of real time but keeps real waits, so a retried request still finishes
-            after its peers, as on the service; 0 never sleeps for retries.
-        seed: seeds the fault injector, the retry jitter and the default sampling seeds.
+        fault_rate: the offline server's (``trio_helpers.offline.server``): probability that an
+            attempt of a request is answered HTTP 503, before or after its work; pytrio's client
+            retries it.
+        outage_after: the offline server's: from this request on (0-based, as the ledger counts
+            requests) every attempt is answered 503, until pytrio's retry window runs out and its
+            error surfaces.
+        seed: seeds the server's faults and the default sampling seeds.
         sampler_logit_precision: None (default: the sampler computes exactly like the
             trainer), or ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float8_e4m3"``:
             every logit the sampler computes (sampling, sample and prompt logprobs,
@@ -122,7 +96,6 @@ class OfflineOptions:
     latency: float = 0.01
     fault_rate: float = 0.0
     outage_after: int | None = None
-    retry_time_scale: float = 0.001
     seed: int = 0
     sampler_logit_precision: str | None = None
     home: Path = field(default_factory=default_home)
@@ -144,11 +117,6 @@ class OfflineOptions:
                 f"outage_after must be None or an int >= 0 (the first failing request), "
                 f"got {outage!r}"
             )
-        if not _is_real(self.retry_time_scale) or not 0.0 <= self.retry_time_scale <= 1.0:
-            raise ValueError(
-                f"retry_time_scale must be in [0, 1] (real seconds per simulated second), "
-                f"got {self.retry_time_scale!r}; use 0 to never sleep for retries"
-            )
         check_precision(self.sampler_logit_precision)
         self.home = Path(self.home)
 
@@ -167,13 +135,6 @@ class _Runtime:
         self.thread = threading.Thread(target=self.loop.run_forever, name="trio-offline-loop", daemon=True)
         self.thread.start()
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trio-offline-compute")
-        # pytrio copies its configuration when a ServiceClient is created, and so do we
-        self.retry_settings = RetrySettings.from_pytrio()
-        self.faults = FaultModel(
-            seed=options.seed, fault_rate=options.fault_rate,
-            outage_after=options.outage_after, latency=options.latency,
-            settings=self.retry_settings,
-        )
         self.ledger = Ledger()
         self.request_counter = itertools.count()  # the default sampling seed stream
         # continuous batching of sampling requests (see _sampling_engine)
@@ -241,28 +202,21 @@ class _Runtime:
                     fut.set_exception(exc)
             running = still
 
-    def submit(self, fn, *, operation: str, after: Future | None = None, gate=None,
-               on_exhausted=None, task_cuid: str = "", ledgers: tuple[Ledger, ...] = (),
+    def submit(self, fn, *, after: Future | None = None, ledgers: tuple[Ledger, ...] = (),
                work: dict[str, int] | None = None, bill=None, batched=None) -> Future:
-        """Send one request: plan its attempts now; then, on the loop, wait, run, account.
+        """Send one request: on the loop, wait its latency, run, account.
 
         Args:
-            fn: the work, run once on the compute thread if the request gets through.
+            fn: the work, run once on the compute thread.
             batched: instead of ``fn``, a sampling job ``(start, finish)`` for the batching
                 engine.
-            operation: a key of ``transport.OPERATION_KINDS``.
             after: a training client's previous request; this one starts when that one ends.
-            gate: called before sending; raises to refuse the request (a broken client).
-            on_exhausted: called with the error before a request whose window ran out
-                raises it.
-            task_cuid: the run id put on the error, as pytrio's coordinators do.
             ledgers: the ledgers of the clients the request is made through (the service's
                 own ledger always counts it).
             work: usage counts of the work, counted only if ``fn`` returns.
             bill: ``bill(result)`` returns further counts that depend on the result.
         """
         ledgers = (self.ledger, *ledgers)
-        plan = self.faults.plan(operation)
 
         async def request():
             if after is not None:
@@ -270,28 +224,9 @@ class _Runtime:
                     await asyncio.wrap_future(after)
                 except BaseException:  # noqa: BLE001 - ordering only; the earlier failure was reported there
                     pass
-            if gate is not None:
-                gate()
-            latency = self.options.latency
-            retrying = max(0.0, plan.simulated_seconds - latency)
-            real = latency + self.options.retry_time_scale * retrying
-            if real > 0:
-                await asyncio.sleep(real)
-            counts = {
-                "requests": 1, "retries": plan.retries,
-                "failed_requests": int(plan.exhausted),
-                "simulated_seconds": plan.simulated_seconds,
-                "retry_seconds": plan.retry_seconds(latency),
-            }
-            if plan.exhausted:
-                _account(ledgers, counts)
-                o = self.options
-                why = (f"simulated outage from request {o.outage_after} on" if plan.outage
-                       else f"simulated transient faults (fault_rate={o.fault_rate})")
-                error = exhausted_error(plan, operation, why=why, task_cuid=task_cuid)
-                if on_exhausted is not None:
-                    on_exhausted(error)
-                raise error
+            if self.options.latency > 0:
+                await asyncio.sleep(self.options.latency)
+            counts = {"requests": 1}
             try:
                 result = await asyncio.wrap_future(
                     self._sample_batched(batched) if batched is not None else self._compute(fn))
@@ -336,23 +271,18 @@ class OfflineServiceClient:
         self.backend = "offline"
 
     def __repr__(self) -> str:
-        o = self.options
-        outage = "" if o.outage_after is None else f", outage_after={o.outage_after}"
-        return (f"OfflineServiceClient(latency={o.latency}, fault_rate={o.fault_rate}"
-                f"{outage})")
+        return f"OfflineServiceClient(latency={self.options.latency})"
 
     def usage(self) -> Usage:
         """What this service has served so far (``trio_helpers.offline.ledger.Usage``)."""
         return self._runtime.ledger.snapshot()
 
-    def _control(self, build, operation: str, via: tuple[Ledger, ...] = ()) -> Future:
-        """A control call (creating a run): one request, control window, then ``build``.
+    def _control(self, build, kind: str, via: tuple[Ledger, ...] = ()) -> Future:
+        """A control call creating a ``kind`` ("training" or "sampling") run: one request, then ``build``.
 
         ``via``: the ledgers of the client the call is made through, if any.
         """
-        work = {"create_training_run": {"training_runs": 1},
-                "create_sampling_run": {"sampling_runs": 1}}[operation]
-        return self._runtime.submit(build, operation=operation, ledgers=via, work=work)
+        return self._runtime.submit(build, ledgers=via, work={f"{kind}_runs": 1})
 
     # --- catalog -------------------------------------------------------------------------------------------
     def get_supported_models(self) -> list[str]:
@@ -373,7 +303,7 @@ class OfflineServiceClient:
                                     alpha=alpha, final_row_scale=row_scale)
             return OfflineTrainingClient(self, base_model, adapter, rank=rank, seed=seed)
 
-        return self._control(build, "create_training_run")
+        return self._control(build, "training")
 
     def create_lora_training_client(
         self,
@@ -421,7 +351,7 @@ class OfflineServiceClient:
                 client._adam = _unpack_adam(ckpt)
             return client
 
-        return self._control(build, "create_training_run")
+        return self._control(build, "training")
 
     # --- sampling clients ------------------------------------------------------------------------------------
     def _sampling_request(self, base_model: str, model_path: str | None,
@@ -443,7 +373,7 @@ class OfflineServiceClient:
             return OfflineSamplingClient(self, base_model, TinyLM(base, adapter, frozen=True),
                                          model_path=model_path)
 
-        return self._control(build, "create_sampling_run", via)
+        return self._control(build, "sampling", via)
 
     def create_sampling_client(
         self, base_model: str, model_path: str | None = None
@@ -543,9 +473,6 @@ class OfflineTrainingClient:
         self._tail: Future | None = None
         self._started = False  # set by the first queued operation; load_state* must come before it (as in pytrio)
         self._order = threading.Lock()
-        self._sampler_count = itertools.count()
-        # set when a training request's retry window ran out (pytrio's coordinator "breaks")
-        self._broken = False
         self._ledger = Ledger()
 
     def usage(self) -> Usage:
@@ -556,29 +483,15 @@ class OfflineTrainingClient:
         return f"OfflineTrainingClient(base_model={self.base_model!r}, rank={self.rank}, run={self.run_id!r})"
 
     # ordering: every operation of one training client runs after the previous one, like the service's queue
-    def _submit(self, fn, operation: str, work: dict[str, int] | None = None) -> APIFuture:
-        return APIFuture(self._submit_future(fn, operation, work))
+    def _submit(self, fn, work: dict[str, int] | None = None) -> APIFuture:
+        return APIFuture(self._submit_future(fn, work))
 
-    def _submit_future(self, fn, operation: str,
-                       work: dict[str, int] | None = None) -> Future:
+    def _submit_future(self, fn, work: dict[str, int] | None = None) -> Future:
         with self._order:
-            self._raise_if_broken()
-            fut = self._runtime.submit(
-                fn, operation=operation, after=self._tail, gate=self._raise_if_broken,
-                on_exhausted=self._mark_broken, task_cuid=self.run_id,
-                ledgers=(self._ledger,), work=work,
-            )
+            fut = self._runtime.submit(fn, after=self._tail, ledgers=(self._ledger,), work=work)
             self._tail = fut
             self._started = True
         return fut
-
-    def _raise_if_broken(self) -> None:
-        """Refuse work after a failed submission, as pytrio's coordinator does."""
-        if self._broken:
-            raise broken_run_error(self.run_id)
-
-    def _mark_broken(self, _error: PyTrioError) -> None:
-        self._broken = True
 
     def _check_not_started(self) -> None:
         # pytrio binds the checkpoint at trainer initialisation, so it refuses load_state once any operation ran
@@ -633,8 +546,7 @@ class OfflineTrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         plan, name, cfg = self._plan(data, loss_fn, loss_fn_config, auto_shift)
         work = _token_counts(data, plan, "forward")
-        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, False),
-                            "forward", work)
+        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, False), work)
 
     async def forward_async(
         self,
@@ -654,8 +566,7 @@ class OfflineTrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         plan, name, cfg = self._plan(data, loss_fn, loss_fn_config, auto_shift)
         work = _token_counts(data, plan, "forward_backward")
-        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, True),
-                            "forward_backward", work)
+        return self._submit(lambda: self._forward_impl(plan, name, cfg, auto_shift, True), work)
 
     async def forward_backward_async(
         self,
@@ -676,8 +587,7 @@ class OfflineTrainingClient:
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         if not isinstance(adam_params, AdamParams):
             raise TypeError(f"adam_params must be a pytrio.AdamParams, got {type(adam_params).__name__}")
-        return self._submit(lambda: self._optim_impl(adam_params), "optim_step",
-                            {"optim_steps": 1})
+        return self._submit(lambda: self._optim_impl(adam_params), {"optim_steps": 1})
 
     async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self.optim_step(adam_params)
@@ -715,7 +625,7 @@ class OfflineTrainingClient:
             uri, size = self._write("weights", name, with_optimizer=False, overwrite=True)
             return SaveWeightsForSamplerResponse(path=uri, model=self.base_model, size=size)
 
-        return self._submit(save, "save_weights_for_sampler", {"sampler_weights_saved": 1})
+        return self._submit(save, {"sampler_weights_saved": 1})
 
     async def save_weights_for_sampler_async(
         self, name: str, ttl_seconds: int | None = None
@@ -729,7 +639,7 @@ class OfflineTrainingClient:
             uri, size = self._write("state", name, with_optimizer=True, overwrite=overwrite)
             return SaveWeightsResponse(path=uri, model=self.base_model, size=size)
 
-        return self._submit(save, "save_state", {"states_saved": 1})
+        return self._submit(save, {"states_saved": 1})
 
     async def save_state_async(
         self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
@@ -752,7 +662,7 @@ class OfflineTrainingClient:
     def load_state(self, path: str) -> APIFuture[dict[str, object]]:
         self._check_not_started()
         _checkpoint_file(self._service.options.home, path)
-        return self._submit(lambda: self._load_impl(path, False), "load_state")
+        return self._submit(lambda: self._load_impl(path, False))
 
     async def load_state_async(self, path: str) -> APIFuture[dict[str, object]]:
         return self.load_state(path)
@@ -760,7 +670,7 @@ class OfflineTrainingClient:
     def load_state_with_optimizer(self, path: str) -> APIFuture[dict[str, object]]:
         self._check_not_started()
         _checkpoint_file(self._service.options.home, path)
-        return self._submit(lambda: self._load_impl(path, True), "load_state_with_optimizer")
+        return self._submit(lambda: self._load_impl(path, True))
 
     async def load_state_with_optimizer_async(self, path: str) -> APIFuture[dict[str, object]]:
         return self.load_state_with_optimizer(path)
@@ -771,7 +681,7 @@ class OfflineTrainingClient:
             model = TinyLM(self._model.base, snapshot, frozen=True)
             return OfflineSamplingClient(self._service, self.base_model, model)
 
-        return self._service._control(build, "create_sampling_run", (self._ledger,))
+        return self._service._control(build, "sampling", (self._ledger,))
 
     def save_weights_and_get_sampling_client(self) -> "OfflineSamplingClient":
         """Snapshot the current adapter into a new sampler (later training leaves it alone).
@@ -779,15 +689,11 @@ class OfflineTrainingClient:
         Two requests, as in pytrio: a training event saving the weights, then a control
         call.
         """
-        op = "save_weights_and_get_sampling_client"
-        snapshot = self._submit_future(lambda: self._model.adapter.copy(), op,
-                                       {"sampler_snapshots": 1}).result()
+        snapshot = self._submit_future(lambda: self._model.adapter.copy(), {"sampler_snapshots": 1}).result()
         return self._snapshot_sampler(snapshot).result()
 
     async def save_weights_and_get_sampling_client_async(self) -> "OfflineSamplingClient":
-        op = "save_weights_and_get_sampling_client"
-        copy = self._submit_future(lambda: self._model.adapter.copy(), op,
-                                   {"sampler_snapshots": 1})
+        copy = self._submit_future(lambda: self._model.adapter.copy(), {"sampler_snapshots": 1})
         snapshot = await asyncio.wrap_future(copy)
         return await asyncio.wrap_future(self._snapshot_sampler(snapshot))
 
@@ -932,7 +838,7 @@ class OfflineSamplingClient:
         fut = self._runtime.submit(
             None, batched=self._sample_job(tokens, num_samples, sampling_params,
                                            include_prompt_logprobs, topk, return_text, seed),
-            operation="sample", ledgers=(self._ledger,),
+            ledgers=(self._ledger,),
             work={"samples": num_samples, "prompt_tokens": len(tokens)},
             bill=_sampled_tokens,
         )
@@ -976,7 +882,7 @@ class OfflineSamplingClient:
             return [None] + (shifted[np.arange(len(nxt)), nxt] - norm[:, 0]).tolist()
 
         return APIFuture(self._runtime.submit(
-            run, operation="compute_logprobs", ledgers=(self._ledger,),
+            run, ledgers=(self._ledger,),
             work={"logprob_tokens": len(tokens)},
         ))
 

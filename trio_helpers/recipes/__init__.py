@@ -493,8 +493,8 @@ def print_dry_run(config, records: list, run, prompt_of, probe_steps: int = 3) -
 
 def report_usage(service, run_dir, path=None) -> None:
     """After a run: print the service's ledger (offline) and write it to ``run_dir/usage.json`` (or ``path``):
-    the offline counts (``retries``, ``failed_requests`` and ``retry_seconds`` among them, also under
-    ``"retries"``) and the real-token estimate, through :func:`trio_helpers.tracking.write_atomic`.
+    the offline counts (``retries``, the attempts the offline server answered 503, among them) and the real-token
+    estimate, through :func:`trio_helpers.tracking.write_atomic`.
 
     The real service's client reports no usage, so there it prints one line saying so.
 
@@ -516,9 +516,7 @@ def report_usage(service, run_dir, path=None) -> None:
     print(chapter_bill(used))
     if run_dir or path is not None:
         bill = real_tokens(used)
-        record = {"offline": asdict(used), "retries": {
-            "retries": used.retries, "failed_requests": used.failed_requests, "retry_seconds": used.retry_seconds},
-            "qwen_tokens_estimate": {
+        record = {"offline": asdict(used), "qwen_tokens_estimate": {
             "inference": bill.inference[0], "inference_range": list(bill.inference[1:]),
             "training": bill.training[0]}}
         path = Path(path) if path is not None else Path(run_dir) / "usage.json"

@@ -367,3 +367,23 @@ def test_end_sessions_ends_the_runs_of_every_client_connect_returned(tmp_path):
     end_sessions()  # nothing left to end
     local.create_lora_training_client("offline/tiny", rank=8, seed=0)  # the in-process client still works
     assert clients  # (the clients were held throughout)
+
+
+def test_the_servers_of_a_process_share_one_listener(home):
+    """Each server keeps its own options, runs and ledger under its own path; stopping one leaves the others."""
+    from trio_helpers.backend import usage_of
+    from trio_helpers.offline.server import server_of
+
+    first = connect("offline", latency=0.0, seed=1, home=home)
+    second = connect("offline", latency=0.0, seed=2, home=home)
+    a, b = server_of(first), server_of(second)
+    assert a is not b and a._listener is b._listener and a.base_url != b.base_url
+    assert a.base_url.rsplit("/", 1)[0] == b.base_url.rsplit("/", 1)[0]  # one port
+    first.create_sampling_client(MODEL)
+    assert (usage_of(first).sampling_runs, usage_of(second).sampling_runs) == (1, 0)
+    a.stop()
+    second.create_sampling_client(MODEL)
+    assert usage_of(second).sampling_runs == 1
+    with pytest.raises(ControlAPIError) as gone:  # the stopped server's path answers 404, not retried
+        first.create_sampling_client(MODEL)
+    assert gone.value.status_code == 404

@@ -224,9 +224,10 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
             else ``"auto"``. ``auto`` picks remote when pytrio finds a credential (``trio login`` or
             ``PYTRIO_API_KEY``), otherwise offline, and prints one line saying which and how to switch.
         in_process: offline only. By default the offline backend is served on 127.0.0.1
-            (``trio_helpers.offline.server``, a fresh server in a daemon thread) and the client is pytrio's own
-            ``ServiceClient`` for it, so every call goes through pytrio's transport, retries and validation, with
-            pytrio's retry delays and windows shortened to :data:`OFFLINE_SERVER_RETRIES`. ``in_process=True``
+            (``trio_helpers.offline.server``: a fresh server, answered by the process's one loopback listener)
+            and the client is pytrio's own ``ServiceClient`` for it, so every call goes through pytrio's
+            transport, retries and validation, with pytrio's retry delays and windows shortened to
+            :data:`OFFLINE_SERVER_RETRIES`. ``in_process=True``
             returns the offline engine's in-process client instead: the same numbers without pytrio's transport
             (about 2 ms of client CPU per request less), for the toy sweeps of chapters 8-11, which make thousands
             of requests. It has no transport, so it takes no ``fault_rate`` or ``outage_after`` (a one-line

@@ -16,9 +16,10 @@ Faults are decided per request from the seed and what identifies the request (ne
 done and kept; the retry finds it); ``outage_after=N`` answers 503 to everything from the N-th new request on.
 pytrio retries both with its own backoff and windows (``pytrio.configure``), as on the service.
 
-Start one with ``OfflineServer(options=...).start()`` (a daemon thread, 127.0.0.1, a free port) and get pytrio's
-client for it with :func:`service_client` (``trio_helpers.connect("offline")`` does both);
-``python -m trio_helpers.offline.serve`` runs one standalone.
+Start one with ``OfflineServer(options=...).start()`` and get pytrio's client for it with :func:`service_client`
+(``trio_helpers.connect("offline")`` does both); ``python -m trio_helpers.offline.serve`` runs one standalone. A
+process has one listener (a daemon thread on a free port of 127.0.0.1) for all its servers: each server, with its
+own options, runs, ledger and faults, answers under its own path (its base URL ends in ``/offline-<n>``).
 """
 
 from __future__ import annotations
@@ -172,27 +173,24 @@ class OfflineServer:
         self._ids = itertools.count(1)
         self.outage = False
         self.stats: Counter = Counter()  # faults_before, faults_after, event_exists, ... (for tests and the CLI)
-        self._httpd = _QuietServer(("127.0.0.1", port), _Handler)
-        self._httpd.daemon_threads = True
-        self._httpd.offline = self  # type: ignore[attr-defined]
-        self.port = self._httpd.server_address[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._thread: threading.Thread | None = None
+        # port 0: the process's one listener, shared by every server of the process, each under its own path
+        self._listener = _Listener(port) if port else _shared_listener()
+        self.base_url = self._listener.add(self)
         _LIVE[self.base_url] = self
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "OfflineServer":
-        """Serve in a daemon thread; returns self."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="trio-offline-server", daemon=True)
-        self._thread.start()
+        """Serve (the listener's daemon thread, started once); returns self."""
+        self._listener.start()
         return self
 
     def serve_forever(self) -> None:
-        self._httpd.serve_forever()
+        """Serve until interrupted (Ctrl-C)."""
+        self._listener.start().join()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop answering: this server's path answers 404 from now on (a listener of its own shuts down)."""
+        self._listener.remove(self)
 
     def usage(self) -> Usage:
         """What the server has served (the offline ledger's ``Usage``)."""
@@ -616,16 +614,68 @@ class _QuietServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class _Listener:
+    """One HTTP listener on 127.0.0.1 for one or more offline servers, each under the path of its base URL
+    (``/offline-<n>``): pytrio joins its control (``/api/...``) and actor (``/v1/...``) paths to that base URL."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, port: int = 0) -> None:
+        self.httpd = _QuietServer(("127.0.0.1", port), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.listener = self  # type: ignore[attr-defined]
+        self.own = port != 0  # a listener of its own (serve --port): it ends with its server
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.servers: dict[str, OfflineServer] = {}
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def add(self, server: "OfflineServer") -> str:
+        prefix = f"/offline-{next(self._ids)}"
+        with self._lock:
+            self.servers[prefix] = server
+        return self.url + prefix
+
+    def remove(self, server: "OfflineServer") -> None:
+        with self._lock:
+            for prefix in [p for p, s in self.servers.items() if s is server]:
+                del self.servers[prefix]
+        if self.own:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+    def start(self) -> threading.Thread:
+        with self._lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.httpd.serve_forever, name="trio-offline-server",
+                                               daemon=True)
+                self.thread.start()
+        return self.thread
+
+    def route(self, path: str) -> tuple["OfflineServer | None", str]:
+        """The server a request path is for, and the path below its prefix."""
+        prefix, _, rest = path.partition("/")[2].partition("/")
+        return self.servers.get("/" + prefix), "/" + rest
+
+
+_SHARED: _Listener | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_listener() -> _Listener:
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = _Listener()
+        return _SHARED
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as pytrio's httpx pools connections
     disable_nagle_algorithm = True  # headers and body go out in two writes: without it, ~40 ms delayed ACKs
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet by default
         pass
-
-    @property
-    def server_(self) -> OfflineServer:
-        return self.server.offline  # type: ignore[attr-defined]
 
     def do_GET(self) -> None:  # noqa: N802
         self._handle("GET")
@@ -653,11 +703,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, msgpack.packb(data, use_bin_type=True), "application/msgpack")
 
     def _handle(self, method: str) -> None:
-        srv = self.server_
         url = urlsplit(self.path)
-        path, query = url.path, parse_qs(url.query)
+        srv, path = self.server.listener.route(url.path)  # type: ignore[attr-defined]
+        query = parse_qs(url.query)
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
+            if srv is None:
+                raise HTTPError(404, "not_found", f"no offline server at {url.path}")
             if path.startswith("/api/"):
                 if self.headers.get("X-API-Key") != OFFLINE_API_KEY:
                     raise HTTPError(401, "auth.invalid_api_key", "this offline server accepts only its own key")

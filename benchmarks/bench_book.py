@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_book.py               # the notebooks, the way make test runs them; bar: <= 60 s
+    python benchmarks/bench_book.py               # the notebooks, the way make test runs them; bars below
     python benchmarks/bench_book.py --repeats 2   # run twice, keep the faster run (other processes only add time)
     python benchmarks/bench_book.py --serial      # the same with TEST_ARGS= (no parallel workers: the "before")
     python benchmarks/bench_book.py --all         # the whole of make test (unit tests too), not just notebooks/
@@ -19,11 +19,13 @@ What is printed: per notebook, the seconds its cells took (setup + call + teardo
 kernel start and shutdown are included), the CPU seconds of its kernel process (independent of how busy the
 machine is, unlike the wall times), the worker it ran on and how many cells passed/failed; with parallel
 workers each notebook runs whole on one worker, so these are the notebook's own wall times and they add up to
-more than the total. Then the total wall time of the whole pytest process (start-up, the session-start fit or
-cache load of the offline models, worker start-up, every notebook) with PASS/FAIL against ``--budget`` (60 s,
-issue 10), the CPU time of every process of the run (a floor for the wall time on an idle machine, useful when
+more than the total; a kernel over the project's 20 s of CPU is marked, and the heaviest kernel gets PASS/FAIL.
+Then the total wall time of the whole pytest process (start-up, the session-start fit or cache load of the offline
+models, worker start-up, every notebook) with PASS/FAIL against ``--budget`` (the project's 90 s for the whole book;
+issue 10 set 60 s for the seven chapters of round 1, which ``--against`` still applies to the reference it scales),
+the CPU time of every process of the run (a floor for the wall time on an idle machine, useful when
 other processes share it) and the slowest cells. A notebook that fails nbval still counts with its time. Exit
-status 1 if the total is over budget, 2 if it is within budget but a notebook failed.
+status 1 if the total or a kernel is over budget, 2 if both are within budget but a notebook failed.
 
 Before and after every run a *machine check* times a fixed single-threaded workload (a Python loop and small
 numpy operations, the mix the offline backend computes) in CPU seconds. The machines these benchmarks run on
@@ -38,7 +40,7 @@ one first), ``--repeats`` rounds, with the same pytest command (this Makefile's 
 xdist workers) and the same environment (one BLAS thread), each tree with its own conftest, pyproject options and
 committed outputs. A round's two runs are back to back, so a slow stretch of the host tends to slow both (it also
 drifts within minutes: hence several rounds and medians): each round prints the ratios of wall and of CPU times,
-and the summary scales the issue's 64 s by the larger of the two medians (PASS if that is within the budget). Round
+and the summary scales the issue's 64 s by the larger of the two medians (PASS if that is within its 60 s). Round
 1 ran its notebooks serially (its ``make test`` had no workers); running the reference on the same workers makes it
 faster than it was, so the ratio errs against this book. Cells of the older book may fail on their last digits (it
 was executed before the book fixed one BLAS thread); they still run, so their time counts. A round in which either
@@ -64,7 +66,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BUDGET_S = 60.0
+BUDGET_S = 90.0  # the whole book, wall, on a quiet 2-core machine (the project's standing bar)
+KERNEL_CPU_S = 20.0  # each chapter's kernel, CPU seconds (the project's standing bar)
+ISSUE10_BUDGET_S = 60.0  # issue 10's bar for the book of round 1 (REFERENCE_REV), which --against scales
 # The book issue 10 timed when it set the budget (the last commit of round 1: chapters 01-07), and that time.
 REFERENCE_REV = "06f894a"
 REFERENCE_S = 64.0
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"about {REFERENCE_S:g} s)")
     args = ap.parse_args(argv)
     if args.against:
-        return compare_against(args.rev, [] if args.all else args.paths, max(1, args.repeats), args.budget)
+        return compare_against(args.rev, [] if args.all else args.paths, max(1, args.repeats), ISSUE10_BUDGET_S)
     if args.workers:
         return compare_workers([int(n) for n in args.workers.split(",")], [] if args.all else args.paths,
                                max(1, args.repeats))
@@ -264,10 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             failed_files.append(name)
         kcpu = f"{row['kernel_cpu']:.1f}" if "kernel_cpu" in row else "-"
+        over = row.get("kernel_cpu", 0.0) > KERNEL_CPU_S
         print(f"{name:<34}{row['seconds']:>9.1f}{kcpu:>11}  {row['worker']:<7}{row['passed']:>7}{row['failed']:>7}"
-              f"  {'ok' if ok else 'FAILED'}")
+              f"  {'ok' if ok else 'FAILED'}{f' (kernel over {KERNEL_CPU_S:g} s CPU)' if over else ''}")
     kernel_cpu = sum(r.get("kernel_cpu", 0.0) for r in shown.values())
     print(f"{'sum of the files above':<34}{sum(r['seconds'] for r in shown.values()):>9.1f}{kernel_cpu:>11.1f}")
+    heaviest = max((r.get("kernel_cpu", 0.0) for r in shown.values()), default=0.0)
+    kernels_ok = heaviest <= KERNEL_CPU_S
+    print(f"{'heaviest kernel (CPU)':<34}{'':>9}{heaviest:>11.1f}  budget {KERNEL_CPU_S:g} s: "
+          f"{'PASS' if kernels_ok else 'FAIL'}")
     print(f"{'CPU time, every process of the run':<34}{cpu:>9.1f}  (so >= {cpu / os.cpu_count():.1f} s wall on "
           f"{os.cpu_count()} idle cpus)")
     within = wall <= args.budget
@@ -281,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed_files:
         print("failed (their time still counts): " + ", ".join(failed_files))
         print("failing items: " + ", ".join(result["failed"][:10]) + (" ..." if len(result["failed"]) > 10 else ""))
-    if not within:
+    if not (within and kernels_ok):
         return 1
     return 2 if failed_files or status not in (0,) else 0
 

@@ -264,8 +264,8 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
             raise ValueError(f"offline backend options are {sorted(allowed)}; got unknown {unknown}")
         offline_options = OfflineOptions(**options)  # checked before anything starts
         if in_process:
-            wire = {k: v for k, v in options.items() if k in ("fault_rate", "outage_after") and v is not None and
-                    v is not False and (k == "outage_after" or v)}
+            wire = {k: v for k, v in options.items()  # (checked above: a rate in [0, 1), an index or None)
+                    if (k == "fault_rate" and v) or (k == "outage_after" and v is not None)}
             if wire:
                 name, value = next(iter(wire.items()))
                 raise ValueError(f"{name}={value!r} needs the offline server: faults happen on the wire, where "

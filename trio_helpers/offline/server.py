@@ -34,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 from collections import Counter
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -77,9 +76,9 @@ from trio_helpers.offline import catalog
 from trio_helpers.offline.ledger import Usage
 from trio_helpers.offline.losses import resolve_loss_config
 from trio_helpers.offline.model import Adapter, TinyLM
-from trio_helpers.offline.service import (MAX_SEQ_LEN, OfflineOptions, OfflineSamplingClient, OfflineServiceClient,
-                                          OfflineTrainingClient, _account, _adapter_from, _load_checkpoint, _stop_spec,
-                                          check_sampling_request)
+from trio_helpers.offline.service import (MAX_SEQ_LEN, URI_SCHEME, OfflineOptions, OfflineSamplingClient,
+                                          OfflineServiceClient, OfflineTrainingClient, _account, _adapter_from,
+                                          _load_checkpoint, _stop_spec, check_sampling_request)
 from trio_helpers.offline.tokenizer import get_offline_tokenizer
 
 # The placeholder credential of the book's own 127.0.0.1 server; the server accepts nothing else. It is never a
@@ -99,7 +98,8 @@ def _unit(*parts: object) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # base URL -> live server of this process
+_CHECKPOINT_URI = re.compile(re.escape(URI_SCHEME) + r'[^"\s]+')  # a checkpoint URI, whole (in text or JSON)
+_LIVE: dict[str, "OfflineServer"] = {}  # base URL -> every server of this process that has not been stopped
 
 
 class HTTPError(Exception):
@@ -175,7 +175,7 @@ class OfflineServer:
         self.stats: Counter = Counter()  # faults_before, faults_after, event_exists, ... (for tests and the CLI)
         # port 0: the process's one listener, shared by every server of the process, each under its own path
         self._listener = _Listener(port) if port else _shared_listener()
-        self.base_url = self._listener.add(self)
+        self.base_url = self._listener.new_url()
         _LIVE[self.base_url] = self
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -190,7 +190,10 @@ class OfflineServer:
 
     def stop(self) -> None:
         """Stop answering: this server's path answers 404 from now on (a listener of its own shuts down)."""
-        self._listener.remove(self)
+        _LIVE.pop(self.base_url, None)
+        if self._listener.own:
+            self._listener.httpd.shutdown()
+            self._listener.httpd.server_close()
 
     def usage(self) -> Usage:
         """What the server has served (the offline ledger's ``Usage``)."""
@@ -209,22 +212,18 @@ class OfflineServer:
 
     # --- faults -----------------------------------------------------------------------------------------------
     def stable(self, text: str) -> str:
-        """``text`` with every checkpoint URI this server wrote replaced by what made it (see ``_identities``)."""
-        with self._lock:
-            known = list(self._identities.items())
-        for uri, identity in known:
-            if uri in text:
-                text = text.replace(uri, identity)
-        return text
+        """``text`` with every checkpoint URI this server wrote replaced by what made it (see ``_identities``):
+        one pass over the text, each URI looked up whole."""
+        return _CHECKPOINT_URI.sub(lambda m: self._identities.get(m[0], m[0]), text)
 
     def fault(self, key: tuple, new_request: bool, may_fail: bool = True) -> str | None:
         """``"before"``, ``"after"`` or None for one attempt of the request identified by ``key``.
 
         ``new_request``: a request the ledger counts (the calls a program makes: runs created, events, samples),
-        numbered in order of arrival for ``outage_after``, as the in-process backend numbers them. pytrio's own
+        numbered in order of arrival for ``outage_after`` (the order the ledger counts them). pytrio's own
         requests (its session, the lazy ``trainer.init_run``, renewals, polls, heartbeats) are not numbered,
         but fail like the others once an outage has begun. Each attempt of a counted request first waits the
-        simulated ``latency`` (as each request of the in-process backend does); pytrio's own requests do not.
+        simulated ``latency``; pytrio's own requests do not.
 
         ``may_fail``: whether ``fault_rate`` applies (training events and samples, and the control calls that
         create or rebind runs). pytrio's polls, heartbeats and session calls fail only in an outage: their number
@@ -459,7 +458,7 @@ class OfflineServer:
             state = kind == EventType.TRAINER_SAVE_STATE
             if not state and payload.visibility == TEMPORARY:
                 # a sampler snapshot (save_weights_and_get_sampling_client): kept in memory, as in-process
-                uri = f"trio-offline://{tc.run_id}/weights/{payload.name}"
+                uri = f"{URI_SCHEME}{tc.run_id}/weights/{payload.name}"
                 adapter = tc._model.adapter.copy()
                 meta = {"base_model": tc.base_model, "rank": tc.rank, "seed": tc.seed}
                 with self._lock:
@@ -616,7 +615,8 @@ class _QuietServer(ThreadingHTTPServer):
 
 class _Listener:
     """One HTTP listener on 127.0.0.1 for one or more offline servers, each under the path of its base URL
-    (``/offline-<n>``): pytrio joins its control (``/api/...``) and actor (``/v1/...``) paths to that base URL."""
+    (``/offline-<n>``): pytrio joins its control (``/api/...``) and actor (``/v1/...``) paths to that base URL, and
+    the listener finds the server in the process's registry of live servers (``_LIVE``) by that URL."""
 
     _ids = itertools.count(1)
 
@@ -626,23 +626,12 @@ class _Listener:
         self.httpd.listener = self  # type: ignore[attr-defined]
         self.own = port != 0  # a listener of its own (serve --port): it ends with its server
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.servers: dict[str, OfflineServer] = {}
         self.thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def add(self, server: "OfflineServer") -> str:
-        prefix = f"/offline-{next(self._ids)}"
-        with self._lock:
-            self.servers[prefix] = server
-        return self.url + prefix
-
-    def remove(self, server: "OfflineServer") -> None:
-        with self._lock:
-            for prefix in [p for p, s in self.servers.items() if s is server]:
-                del self.servers[prefix]
-        if self.own:
-            self.httpd.shutdown()
-            self.httpd.server_close()
+    def new_url(self) -> str:
+        """A base URL under this listener that no server has had."""
+        return f"{self.url}/offline-{next(self._ids)}"
 
     def start(self) -> threading.Thread:
         with self._lock:
@@ -655,7 +644,7 @@ class _Listener:
     def route(self, path: str) -> tuple["OfflineServer | None", str]:
         """The server a request path is for, and the path below its prefix."""
         prefix, _, rest = path.partition("/")[2].partition("/")
-        return self.servers.get("/" + prefix), "/" + rest
+        return _LIVE.get(f"{self.url}/{prefix}"), "/" + rest
 
 
 _SHARED: _Listener | None = None

@@ -264,11 +264,10 @@ def connect(backend: str | None = None, *, in_process: bool = False, **options):
             raise ValueError(f"offline backend options are {sorted(allowed)}; got unknown {unknown}")
         offline_options = OfflineOptions(**options)  # checked before anything starts
         if in_process:
-            wire = {k: v for k, v in options.items()  # (checked above: a rate in [0, 1), an index or None)
-                    if (k == "fault_rate" and v) or (k == "outage_after" and v is not None)}
-            if wire:
-                name, value = next(iter(wire.items()))
-                raise ValueError(f"{name}={value!r} needs the offline server: faults happen on the wire, where "
+            o = offline_options
+            wire = ("fault_rate", o.fault_rate) if o.fault_rate else ("outage_after", o.outage_after)
+            if wire[1] is not None:
+                raise ValueError(f"{wire[0]}={wire[1]!r} needs the offline server: faults happen on the wire, where "
                                  "pytrio's client retries them; drop in_process=True")
             client = OfflineServiceClient(offline_options)
             ledger = client._runtime.ledger
